@@ -1,0 +1,101 @@
+"""The training configuration that is estimated, probed, searched and run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from ._errors import ConfigError
+
+__all__ = ["Precision", "Strategy", "TrainConfig", "normalize_precision", "PRECISIONS"]
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+Strategy = Literal["single", "ddp", "fsdp"]
+
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16-mixed", "fp16-mixed")
+
+# Lightning-style names and the short forms users type; all map to the three canonical names.
+_PRECISION_ALIASES: dict[str, Precision] = {
+    "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
+    "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "bfloat16": "bf16-mixed",
+    "fp16-mixed": "fp16-mixed", "fp16": "fp16-mixed", "16": "fp16-mixed", "16-mixed": "fp16-mixed",
+    "float16": "fp16-mixed",
+}
+
+def normalize_precision(value: str) -> Precision:
+    """Map ``"bf16"``, ``"16"``, ``"32-true"``… to the canonical precision name.
+
+    >>> normalize_precision("bf16")
+    'bf16-mixed'
+    """
+    key = str(value).strip().lower()
+    if key not in _PRECISION_ALIASES:
+        raise ConfigError(
+            f"unknown precision {value!r}; use one of fp32 (32), bf16-mixed (bf16), "
+            "fp16-mixed (fp16, 16)"
+        )
+    return _PRECISION_ALIASES[key]
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One point of the configuration space.
+
+    ``micro_batch_size * grad_accum_steps * world_size`` is the global batch.
+    """
+
+    micro_batch_size: int
+    """Samples per forward/backward pass on one device."""
+    grad_accum_steps: int = 1
+    """Micro-batches whose gradients are summed before one optimizer step."""
+    precision: Precision = "fp32"
+    """``fp32``, ``bf16-mixed`` (autocast, fp32 weights) or ``fp16-mixed`` (autocast + GradScaler)."""
+    checkpoint_segments: int = 0
+    """Blocks of the model's block stack recomputed in backward (0 = none)."""
+    strategy: Strategy = "single"
+    """``single`` device, ``ddp`` or ``fsdp`` (FSDP2)."""
+    world_size: int = 1
+    """Data-parallel processes."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not isinstance(self.checkpoint_segments, int) or self.checkpoint_segments < 0:
+            raise ConfigError(
+                f"checkpoint_segments must be a whole number >= 0, got {self.checkpoint_segments!r}"
+            )
+        object.__setattr__(self, "precision", normalize_precision(self.precision))
+        if self.strategy not in ("single", "ddp", "fsdp"):
+            raise ConfigError(f"unknown strategy {self.strategy!r}; use single, ddp or fsdp")
+        if self.strategy == "single" and self.world_size != 1:
+            raise ConfigError("strategy 'single' runs on one device; set world_size=1 or use ddp/fsdp")
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown configuration fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+    def describe(self) -> str:
+        parts = [f"micro-batch {self.micro_batch_size}"]
+        if self.grad_accum_steps > 1:
+            parts.append(f"x{self.grad_accum_steps} accumulation")
+        parts.append(self.precision)
+        if self.checkpoint_segments:
+            parts.append(f"{self.checkpoint_segments} checkpoint segments")
+        if self.strategy != "single":
+            parts.append(f"{self.strategy} x{self.world_size}")
+        return ", ".join(parts)

@@ -1,0 +1,441 @@
+"""From traces to an ``Estimate``: workspaces, batch scaling, the device's allocator.
+
+``Estimator`` keeps the traces of one task and answers any configuration:
+
+* the configuration is traced once at its own micro-batch size (exact), or
+* when the micro-batch has not been traced, from three traces at small "anchor" batch sizes:
+  if the three have the same events and every allocation's size is affine in the batch size,
+  sizes for any batch are ``a + c·b`` and no new trace is needed (~ms); otherwise the batch
+  is traced afresh. Models whose shapes depend on data values are measured with a real CPU run
+  instead (method ``measured-cpu``).
+
+The event list is then replayed: on ``cpu`` as the CPU allocator counts (bytes as asked); on
+``cuda`` with 512-byte rounding (``max_memory_allocated``) and through the caching-allocator
+model (``max_memory_reserved``), with the cuBLAS workspace added as its own allocation.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Mapping
+
+import numpy as np
+import torch
+
+from ._allocator import CachingAllocatorSim
+from ._config import TrainConfig, normalize_precision
+from ._errors import ConfigError
+from ._gpus import GPUSpec, detect_local_gpu, get_gpu
+from ._task import Task
+from ._trace import Category, DataDependentShapes, Trace, trace_step
+
+__all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
+
+Device = Literal["cpu", "cuda"]
+
+_DIVERGED = "fake trace diverged from the real kernels"
+
+ANCHORS = (2, 3, 4)
+"""Batch sizes traced for batch scaling (1 is avoided: BatchNorm refuses it in training)."""
+
+WORKSPACE_ANCHORS = (2, 4)
+"""Batch sizes of the real, profiled CPU runs that measure kernel workspaces."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Predicted (or measured) memory and time of one training configuration.
+
+    All sizes are bytes (int). ``peak_allocated_bytes`` is what
+    ``torch.cuda.max_memory_allocated()`` reports (on cpu: the CPU allocator's live bytes);
+    ``peak_reserved_bytes`` what ``max_memory_reserved()`` reports (None on cpu).
+    ``context_bytes`` (CUDA context) is outside both, as on a real GPU.
+    """
+
+    config: TrainConfig
+    device: str
+    gpu: str | None
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None
+    breakdown: Mapping[str, int]
+    peak_phase: str
+    context_bytes: int
+    workspace_bytes: int
+    method: str
+    """traced | scaled | measured-cpu | measured (a probe)."""
+    modelled: bool
+    """True for CUDA predictions not validated on a GPU."""
+    params: int
+    trainable_params: int
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """The figure a budget is compared with: reserved on cuda (what the driver sees,
+        context excluded, as ``set_per_process_memory_fraction`` counts), allocated on cpu."""
+        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_allocated_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        d["breakdown"] = dict(self.breakdown)
+        d["notes"] = list(self.notes)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Estimate:
+        d = dict(data)
+        d["config"] = TrainConfig.from_dict(d["config"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+
+def resolve_target(device: str | None, gpu: str | None) -> tuple[Device, GPUSpec | None]:
+    """The target device type and GPU spec from ``--device`` / ``--gpu``."""
+    if gpu is not None:
+        spec = get_gpu(gpu)
+        if device not in (None, "cuda"):
+            raise ConfigError(f"--gpu {gpu} plans for a CUDA card; drop --device {device} or use --device cuda")
+        return "cuda", spec
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; use cpu or cuda")
+    if device == "cuda":
+        spec = detect_local_gpu()
+        if spec is None:
+            raise ConfigError("--device cuda but no GPU is visible here; name the card with --gpu NAME (e.g. --gpu A100-80GB)")
+        return "cuda", spec
+    return "cpu", None
+
+
+@dataclass
+class _Scaling:
+    base_batch: int
+    intercept: np.ndarray  # bytes at batch 0 (float, affine fit)
+    slope: np.ndarray
+    trace: Trace
+
+
+@dataclass
+class _Prepared:
+    """A trace with workspace events inserted, ready to replay."""
+
+    alloc_bytes: np.ndarray
+    alloc_category: np.ndarray
+    event_alloc: np.ndarray
+    event_sign: np.ndarray
+    event_phase: np.ndarray
+    phase_labels: list[str]
+    method: str
+    notes: tuple[str, ...] = ()
+    ops: list = field(default_factory=list)
+
+
+class Estimator:
+    """Estimates configurations of one task on one target, caching traces.
+
+    Thread-safe for concurrent ``estimate`` calls (a lock serialises tracing).
+    """
+
+    def __init__(self, task: Task, *, device: str | None = None, gpu: str | None = None) -> None:
+        self.task = task
+        self.device, self.spec = resolve_target(device, gpu)
+        self._prepared: dict[tuple[Any, int], _Prepared] = {}
+        self._scaling: dict[Any, _Scaling | None] = {}
+        self._data_dependent = False
+        self._lock = threading.RLock()
+        self._params: tuple[int, int] | None = None
+        self._workspace_fits: dict[Any, Any] = {}
+
+    # -- public -----------------------------------------------------------------------
+    def estimate(self, config: TrainConfig) -> Estimate:
+        self.check_config(config)
+        prepared, method = self._events(config)
+        return self._replay(config, prepared, method)
+
+    def check_config(self, config: TrainConfig) -> None:
+        if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
+            raise ConfigError(
+                f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "
+                "--precision fp16 or fp32"
+            )
+        if config.strategy != "single":
+            raise ConfigError(f"strategy {config.strategy!r} is not supported by this estimator yet; use single")
+
+    # -- traces -------------------------------------------------------------------------
+    @staticmethod
+    def _shape_key(config: TrainConfig) -> tuple[Any, ...]:
+        # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
+        return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
+                config.strategy, config.world_size)
+
+    def _trace(self, config: TrainConfig, batch: int) -> _Prepared:
+        key = (self._shape_key(config), batch)
+        with self._lock:
+            if key not in self._prepared:
+                self._prepared[key] = self._prepare(self._raw_trace(config, batch))
+            return self._prepared[key]
+
+    def _raw_trace(self, config: TrainConfig, batch: int) -> Trace:
+        if not self._data_dependent:
+            try:
+                return trace_step(self.task, config, batch_size=batch)
+            except DataDependentShapes:
+                self._data_dependent = True
+        return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu")
+
+    def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
+        """Per-op CPU workspace bytes for ``trace``: measured when the trace was a real,
+        profiled run; else fitted (affine in the batch size) from real profiled runs at
+        small batch sizes whose ops line up with the trace's."""
+        if trace.op_workspace is not None:
+            return trace.op_workspace, None
+        key = self._shape_key(trace.config)
+        with self._lock:
+            if key not in self._workspace_fits:
+                fit = None
+                try:
+                    runs = [trace_step(self.task, trace.config, batch_size=a, real=True, profile=True)
+                            for a in WORKSPACE_ANCHORS]
+                    names = [_significant_names(r) for r in runs]
+                    if names[0] == names[1] and runs[0].op_workspace and runs[1].op_workspace:
+                        (a0, a1), (w0, w1) = WORKSPACE_ANCHORS, (_significant_workspace(r) for r in runs)
+                        slope = (w1 - w0) / (a1 - a0)
+                        fit = (names[0], w0 - slope * a0, slope)
+                except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
+                    fit = None
+                self._workspace_fits[key] = fit
+            fit = self._workspace_fits[key]
+        if fit is None:
+            return None, "kernel workspaces not measured (small-batch CPU runs failed)"
+        names, intercept, slope = fit
+        if names != _significant_names(trace):
+            return None, _DIVERGED
+        ws = np.maximum(np.rint(intercept + slope * trace.batch_size), 0).astype(np.int64)
+        full = [0] * len(trace.ops)
+        for i, w in zip(_significant_indices(trace), ws.tolist()):
+            full[i] = w
+        return full, None
+
+    def _prepare(self, trace: Trace) -> _Prepared:
+        notes: list[str] = []
+        inserts: list[tuple[int, int]] = []  # (event position, bytes)
+        if self.device == "cpu":
+            ws, note = self._workspaces(trace)
+            if note == _DIVERGED:
+                # Fake tensors took other kernels than the CPU really runs (oneDNN RNNs, for
+                # one): their memory differs, so measure this model with real CPU runs.
+                self._data_dependent = True
+                trace = trace_step(self.task, trace.config, batch_size=trace.batch_size, real=True, profile=True)
+                ws, note = trace.op_workspace, None
+            if note:
+                notes.append(note)
+            if ws is not None:
+                # Every op gets its (possibly zero) workspace event, so traces at different
+                # batch sizes keep the same events and stay comparable for batch scaling.
+                inserts.extend(zip(trace.op_positions, ws))
+        alloc_bytes = list(trace.alloc_bytes.tolist())
+        alloc_cat = list(trace.alloc_category.tolist())
+        ev_alloc = trace.event_alloc.tolist()
+        ev_sign = trace.event_sign.tolist()
+        ev_phase = trace.event_phase.tolist()
+        if self.device == "cuda" and self.spec is not None:
+            # cuBLAS allocates its workspace through the caching allocator on the first GEMM
+            # and keeps it: one allocation alive from the first forward on.
+            first_forward = next((i for i, p in enumerate(ev_phase) if p > 0), len(ev_phase))
+            inserts.append((first_forward, -self.spec.cublas_workspace_bytes))
+        if inserts:
+            out_alloc, out_sign, out_phase = [], [], []
+            inserts.sort(key=lambda x: x[0])
+            j = 0
+            for i in range(len(ev_alloc) + 1):
+                while j < len(inserts) and inserts[j][0] == i:
+                    pos, nbytes = inserts[j]
+                    phase = ev_phase[min(max(i - 1, 0), len(ev_phase) - 1)] if ev_phase else 0
+                    index = len(alloc_bytes)
+                    alloc_bytes.append(abs(nbytes))
+                    alloc_cat.append(int(Category.WORKSPACE))
+                    out_alloc.append(index); out_sign.append(1); out_phase.append(phase)
+                    if nbytes >= 0:  # a kernel's scratch: freed when the op returns
+                        out_alloc.append(index); out_sign.append(-1); out_phase.append(phase)
+                    j += 1
+                if i < len(ev_alloc):
+                    out_alloc.append(ev_alloc[i]); out_sign.append(ev_sign[i]); out_phase.append(ev_phase[i])
+            ev_alloc, ev_sign, ev_phase = out_alloc, out_sign, out_phase
+        return _Prepared(
+            alloc_bytes=np.asarray(alloc_bytes, dtype=np.int64),
+            alloc_category=np.asarray(alloc_cat, dtype=np.int8),
+            event_alloc=np.asarray(ev_alloc, dtype=np.int64),
+            event_sign=np.asarray(ev_sign, dtype=np.int8),
+            event_phase=np.asarray(ev_phase, dtype=np.int32),
+            phase_labels=trace.phase_labels,
+            method=trace.method,
+            notes=tuple(notes),
+            ops=trace.ops,
+        )
+
+    def _events(self, config: TrainConfig) -> tuple[_Prepared, str]:
+        b = config.micro_batch_size
+        key = (self._shape_key(config), b)
+        if key in self._prepared:
+            p = self._prepared[key]
+            return p, p.method
+        scaling = self._scaling_for(config)
+        if scaling is not None:
+            sizes = np.rint(scaling.intercept + scaling.slope * b).astype(np.int64)
+            sizes = np.maximum(sizes, 0)
+            base = self._prepared[(self._shape_key(config), scaling.base_batch)]
+            scaled = _Prepared(
+                alloc_bytes=sizes, alloc_category=base.alloc_category, event_alloc=base.event_alloc,
+                event_sign=base.event_sign, event_phase=base.event_phase,
+                phase_labels=base.phase_labels, method="scaled", notes=base.notes,
+                ops=base.ops,
+            )
+            return scaled, "scaled"
+        p = self._trace(config, b)
+        return p, p.method
+
+    def _scaling_for(self, config: TrainConfig) -> _Scaling | None:
+        shape_key = self._shape_key(config)
+        with self._lock:
+            if shape_key in self._scaling:
+                return self._scaling[shape_key]
+            scaling: _Scaling | None = None
+            if not self._data_dependent:
+                try:
+                    traces = [self._trace(config, a) for a in ANCHORS]
+                except Exception:  # noqa: BLE001 - small batches may be refused; trace each b
+                    traces = []
+                if traces and all(t.method == "traced" for t in traces) and _aligned(traces):
+                    b0, b1, b2 = ANCHORS
+                    s0, s1, s2 = (t.alloc_bytes.astype(np.float64) for t in traces)
+                    slope = (s2 - s0) / (b2 - b0)
+                    intercept = s0 - slope * b0
+                    predicted_mid = intercept + slope * b1
+                    tensors = traces[0].alloc_category != int(Category.WORKSPACE)
+                    # Tensor sizes must be exactly affine; workspaces are fitted (kernels pick
+                    # algorithms by size, so they need not be).
+                    if np.array_equal(np.rint(predicted_mid[tensors]), s1[tensors]):
+                        scaling = _Scaling(ANCHORS[0], intercept, slope, traces[0])
+            self._scaling[shape_key] = scaling
+            return scaling
+
+    # -- replay ---------------------------------------------------------------------------
+    def _replay(self, config: TrainConfig, p: _Prepared, method: str) -> Estimate:
+        cuda = self.device == "cuda"
+        sizes = p.alloc_bytes
+        if cuda:
+            sizes = np.where(sizes > 0, ((sizes + 511) // 512) * 512, 0)
+        signed = sizes[p.event_alloc] * p.event_sign.astype(np.int64)
+        running = np.cumsum(signed)
+        peak_index = int(np.argmax(running)) if len(running) else 0
+        peak_allocated = int(running[peak_index]) if len(running) else 0
+        cats = p.alloc_category[p.event_alloc[: peak_index + 1]].astype(np.int64)
+        by_cat = np.bincount(cats, weights=signed[: peak_index + 1], minlength=len(Category))
+        breakdown = {Category(i).label: int(round(v)) for i, v in enumerate(by_cat)}
+        reserved = None
+        notes = list(p.notes)
+        if cuda:
+            reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
+        params, trainable = self._param_counts()
+        assert self.spec is not None or not cuda
+        return Estimate(
+            config=config,
+            device=self.device,
+            gpu=self.spec.name if self.spec else None,
+            peak_allocated_bytes=peak_allocated,
+            peak_reserved_bytes=reserved,
+            breakdown=breakdown,
+            peak_phase=p.phase_labels[int(p.event_phase[peak_index])] if len(running) else "setup",
+            context_bytes=self.spec.context_bytes if (cuda and self.spec) else 0,
+            workspace_bytes=self.spec.cublas_workspace_bytes if (cuda and self.spec) else 0,
+            method=method,
+            modelled=cuda,
+            params=params,
+            trainable_params=trainable,
+            notes=tuple(notes),
+        )
+
+    def _param_counts(self) -> tuple[int, int]:
+        if self._params is None:
+            from ._trace import _fake_mode, build_fake_model
+            model = build_fake_model(self.task, _fake_mode())
+            seen: set[int] = set()
+            total = trainable = 0
+            for prm in model.parameters():
+                if id(prm) in seen:
+                    continue
+                seen.add(id(prm))
+                total += prm.numel()
+                trainable += prm.numel() if prm.requires_grad else 0
+            self._params = (total, trainable)
+        return self._params
+
+
+def _significant_indices(trace: Trace) -> list[int]:
+    return [i for i, op in enumerate(trace.ops) if op.significant]
+
+
+def _significant_names(trace: Trace) -> list[str]:
+    return [trace.ops[i].name for i in _significant_indices(trace)]
+
+
+def _significant_workspace(trace: Trace) -> np.ndarray:
+    assert trace.op_workspace is not None
+    return np.asarray([trace.op_workspace[i] for i in _significant_indices(trace)], dtype=np.float64)
+
+
+def _aligned(traces: list[_Prepared]) -> bool:
+    first = traces[0]
+    return all(
+        len(t.alloc_bytes) == len(first.alloc_bytes)
+        and np.array_equal(t.event_alloc, first.event_alloc)
+        and np.array_equal(t.event_sign, first.event_sign)
+        and np.array_equal(t.alloc_category, first.alloc_category)
+        for t in traces[1:]
+    )
+
+
+def _simulate_reserved(sizes: np.ndarray, event_alloc: np.ndarray, event_sign: np.ndarray) -> int:
+    sim = CachingAllocatorSim()
+    handles: dict[int, int] = {}
+    for index, sign in zip(event_alloc.tolist(), event_sign.tolist()):
+        if sign > 0:
+            n = int(sizes[index])
+            if n > 0:
+                handles[index] = sim.malloc(n)
+        else:
+            h = handles.pop(index, None)
+            if h is not None:
+                sim.free(h)
+    return sim.stats.peak_reserved
+
+
+def estimate(
+    model: Task | str,
+    *,
+    batch_size: int,
+    accum: int = 1,
+    precision: str = "fp32",
+    checkpoint: int = 0,
+    device: str | None = None,
+    gpu: str | None = None,
+) -> Estimate:
+    """Predict the peak memory of training ``model`` with one configuration.
+
+    ``model`` is a model-file path or a :class:`Task`.
+
+    >>> est = estimate("examples/digits.py", batch_size=64)     # doctest: +SKIP
+    >>> est.peak_allocated_bytes                                 # doctest: +SKIP
+    1843200
+    """
+    from ._task import load_task
+    task = load_task(model) if isinstance(model, str) else model
+    config = TrainConfig(micro_batch_size=batch_size, grad_accum_steps=accum,
+                         precision=normalize_precision(precision), checkpoint_segments=checkpoint)
+    return Estimator(task, device=device, gpu=gpu).estimate(config)
+

@@ -1,0 +1,89 @@
+"""Mixed precision, applied the same way when tracing, probing and training.
+
+fp32 runs as is; ``bf16-mixed`` runs the forward pass (and loss) under autocast with fp32
+weights and no scaler; ``fp16-mixed`` does the same in float16 and scales the loss with a
+``GradScaler`` so that small gradients survive the fp16 range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from ._config import Precision, normalize_precision
+
+__all__ = ["autocast_dtype", "forward_context", "make_grad_scaler", "backward", "optimizer_step"]
+
+
+def autocast_dtype(precision: Precision | str) -> torch.dtype | None:
+    """The autocast dtype of a precision, or ``None`` for fp32."""
+    p = normalize_precision(precision)
+    return {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[p]
+
+
+@contextlib.contextmanager
+def forward_context(precision: Precision | str, device_type: str) -> Iterator[None]:
+    """Autocast around the forward pass and the loss (not around backward)."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        yield
+
+
+def make_grad_scaler(precision: Precision | str, device_type: str) -> torch.amp.GradScaler | None:
+    """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none."""
+    if normalize_precision(precision) != "fp16-mixed":
+        return None
+    return torch.amp.GradScaler(device_type)
+
+
+def backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Backward of the (already accumulation-divided) loss, scaled under fp16."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    *,
+    tracing: bool = False,
+) -> bool:
+    """One optimizer step; returns False when the scaler skipped it (inf/NaN gradients).
+
+    Callers that clip gradients call ``scaler.unscale_(optimizer)`` first; unscaling twice is
+    guarded by the scaler itself. ``tracing=True`` is for fake tensors: ``GradScaler.step``
+    reads ``found_inf`` with ``.item()``, which has no value under fake tensors, so the trace
+    does the same tensor work (unscale, step, update) without the data-dependent branch.
+    """
+    if scaler is None:
+        optimizer.step()
+        return True
+    if tracing:
+        if scaler._per_optimizer_states[id(optimizer)]["stage"].name != "UNSCALED":
+            scaler.unscale_(optimizer)
+        optimizer.step()
+        _update_scaler_for_trace(scaler, optimizer)
+        return True
+    scale_before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() >= scale_before
+
+
+def _update_scaler_for_trace(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    # Same kernels GradScaler.update() launches: sum the found_inf flags, then the in-place
+    # scale update. Skipping the Python-level bookkeeping keeps it free of .item().
+    state = scaler._per_optimizer_states[id(optimizer)]
+    found = list(state["found_inf_per_device"].values())
+    found_inf = found[0]
+    for extra in found[1:]:
+        found_inf = found_inf + extra
+    torch._amp_update_scale_(
+        scaler._scale, scaler._growth_tracker, found_inf,
+        scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
+    )
+    scaler._per_optimizer_states.clear()

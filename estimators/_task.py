@@ -1,0 +1,348 @@
+"""The model-file contract and the in-memory ``Task`` every part of memplan works on.
+
+A model file is a plain Python file; memplan imports it and looks up:
+
+``model() -> nn.Module``                    required; built on the current default device
+``train_data() -> Dataset``                 required; items collated by ``default_collate``
+``val_data() -> Dataset``                   optional; validation metrics and early stopping
+``loss(model, batch) -> Tensor``            optional; default cross-entropy of
+                                            ``model(inputs)`` against ``targets``
+``optimizer(parameters) -> Optimizer``      optional; default AdamW (no decay on biases/norms)
+``collate(items) -> batch``                 optional; default ``torch.utils.data.default_collate``
+``checkpoint_blocks(model) -> [Module]``    optional; the blocks checkpoint segments refer to
+``settings``                                optional dict: global_batch, epochs, max_steps, lr,
+                                            weight_decay, warmup_steps, target, …
+
+The optimizer factory receives only the parameters that require gradients, so frozen parts
+get no optimizer state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import itertools
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+from torch.utils.data import Dataset, default_collate
+
+from ._errors import ModelFileError
+
+__all__ = ["Task", "load_task", "default_loss", "default_optimizer"]
+
+Batch = Any
+
+
+def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Cross-entropy of ``model(inputs)`` against ``targets`` for ``batch = (inputs, targets)``.
+
+    Sequence outputs ``(B, T, C)`` with targets ``(B, T)`` are flattened, as language models
+    need; image-shaped outputs ``(B, C, H, W)`` with targets ``(B, H, W)`` go straight to
+    ``cross_entropy``, which handles them.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ModelFileError(
+            "the default loss needs batches of (inputs, targets); define "
+            "`def loss(model, batch): ...` in the model file for other batch layouts"
+        )
+    inputs, targets = batch
+    out = model(inputs)
+    if (
+        out.dim() >= 3
+        and targets.dim() == out.dim() - 1
+        and tuple(targets.shape) == tuple(out.shape[:-1])
+    ):
+        out, targets = out.flatten(0, -2), targets.flatten()
+    return F.cross_entropy(out, targets)
+
+
+def default_optimizer(parameters: Iterable[nn.Parameter], *, lr: float = 1e-3,
+                      weight_decay: float = 0.01) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only: biases and norm weights (1-D) get none."""
+    params = [p for p in parameters if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Task:
+    """What memplan needs to know about a model to estimate, probe and train it.
+
+    Build one with :func:`load_task` (a model file) or :meth:`Task.from_module` (an
+    ``nn.Module`` plus a sample batch).
+    """
+
+    name: str
+    build_model: Callable[[], nn.Module]
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = default_loss
+    build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
+    train_data: Callable[[], Dataset] | None = None
+    val_data: Callable[[], Dataset] | None = None
+    collate: Callable[[Sequence[Any]], Batch] = default_collate
+    checkpoint_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    sample_fn: Callable[[int], Batch] | None = None
+    """Makes a real batch of a given size (used when there is no dataset)."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    source_path: str | None = None
+    source_hash: str | None = None
+    prebuilt: nn.Module | None = None
+    """The user's own module (``from_module``); never mutated by memplan."""
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Module,
+        sample: Batch | Callable[[int], Batch],
+        *,
+        loss: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
+        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        train_data: Callable[[], Dataset] | Dataset | None = None,
+        name: str | None = None,
+        settings: Mapping[str, Any] | None = None,
+    ) -> Task:
+        """A task for an in-memory module. ``sample`` is a batch (leading dimension = batch)
+        or a callable ``sample(batch_size) -> batch``."""
+        if not isinstance(module, nn.Module):
+            raise ModelFileError(f"expected an nn.Module, got {type(module).__name__}")
+        sample_fn = sample if callable(sample) else _repeat_rows(sample)
+        data = train_data
+        if isinstance(train_data, Dataset):
+            data = (lambda d=train_data: d)
+        return cls(
+            name=name or type(module).__name__,
+            build_model=lambda: module,
+            loss_fn=loss or default_loss,
+            build_optimizer=optimizer,
+            train_data=data,  # type: ignore[arg-type]
+            sample_fn=sample_fn,
+            settings=dict(settings or {}),
+            prebuilt=module,
+        )
+
+    # -- pieces used by estimators and the trainer ------------------------------------
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ModelFileError(f"{self.name}: the model has no parameters that require grad; nothing to train")
+        if self.build_optimizer is None:
+            lr = float(self.settings.get("lr", 1e-3))
+            wd = float(self.settings.get("weight_decay", 0.01))
+            return default_optimizer(params, lr=lr, weight_decay=wd)
+        opt = self.build_optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ModelFileError(
+                f"{self.name}: optimizer(parameters) returned {type(opt).__name__}, not a "
+                "torch.optim.Optimizer; return e.g. torch.optim.AdamW(parameters, lr=1e-3)"
+            )
+        return opt
+
+    def compute_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        out = self.loss_fn(model, batch)
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            raise ModelFileError(
+                f"{self.name}: loss(model, batch) must return a scalar tensor, got "
+                f"{type(out).__name__}{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}"
+            )
+        return out
+
+    def dataset(self) -> Dataset | None:
+        return _cached_dataset(self)
+
+    def dataset_size(self) -> int | None:
+        data = self.dataset()
+        try:
+            return len(data)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def real_batch(self, batch_size: int, *, offset: int = 0) -> Batch:
+        """A real batch of ``batch_size`` items (dataset items cycled from ``offset``)."""
+        if self.sample_fn is not None and self.train_data is None:
+            return self.sample_fn(batch_size)
+        data = self.dataset()
+        if data is None:
+            raise ModelFileError(f"{self.name}: define train_data() so memplan can build batches")
+        n = len(data)  # type: ignore[arg-type]
+        if n == 0:
+            raise ModelFileError(f"{self.name}: train_data() is empty; it must hold at least one item")
+        items = [data[(offset + i) % n] for i in range(batch_size)]
+        try:
+            return self.collate(items)
+        except Exception as exc:  # noqa: BLE001 - the user's data, reported with the fix
+            raise ModelFileError(
+                f"{self.name}: cannot collate items of train_data() into a batch ({_one_line(exc)}); "
+                "make items the same shape or define collate(items) in the model file"
+            ) from None
+
+    def batch_template(self) -> Batch:
+        """A real batch of one item: the structure, dtypes and per-item shapes of a batch."""
+        return _cached_template(self)
+
+    def fake_batch(self, batch_size: int) -> Batch:
+        """A batch of ``batch_size`` with the template's structure, made by the active
+        (fake) mode: no real memory, no values."""
+        def grow(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.dim() == 0:
+                    return torch.empty((), dtype=leaf.dtype)
+                return torch.empty((batch_size, *leaf.shape[1:]), dtype=leaf.dtype)
+            return leaf
+        return tree_map(grow, self.batch_template())
+
+
+_DATASETS: dict[int, Any] = {}
+_TEMPLATES: dict[int, Any] = {}
+
+
+def _cached_dataset(task: Task) -> Dataset | None:
+    if task.train_data is None:
+        return None
+    key = id(task)
+    if key not in _DATASETS:
+        try:
+            data = task.train_data()
+        except Exception as exc:  # noqa: BLE001
+            raise ModelFileError(f"{task.name}: train_data() raised {_one_line(exc)}; fix the dataset code") from None
+        if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+            raise ModelFileError(
+                f"{task.name}: train_data() returned {type(data).__name__}; return a map-style "
+                "torch.utils.data.Dataset (with __len__ and __getitem__)"
+            )
+        _DATASETS[key] = data
+    return _DATASETS[key]
+
+
+def _cached_template(task: Task) -> Batch:
+    key = id(task)
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = task.real_batch(1)
+    return _TEMPLATES[key]
+
+
+def _repeat_rows(sample: Batch) -> Callable[[int], Batch]:
+    leaves = [x for x in _leaves(sample) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not leaves:
+        raise ModelFileError("sample must be a tensor or a tuple/dict of tensors with a leading batch dimension")
+
+    def make(batch_size: int) -> Batch:
+        def grow(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                reps = -(-batch_size // leaf.shape[0])
+                return leaf.repeat(reps, *([1] * (leaf.dim() - 1)))[:batch_size].clone()
+            return leaf
+        return tree_map(grow, sample)
+    return make
+
+
+def _leaves(tree: Any) -> list[Any]:
+    from torch.utils._pytree import tree_flatten
+    return tree_flatten(tree)[0]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+_MODULE_COUNTER = itertools.count()
+
+
+def load_task(path: str | Path) -> Task:
+    """Import a model file and check it against the contract.
+
+    Raises :class:`ModelFileError` with the file's name and the fix for: a missing file, a
+    file that does not import, a missing ``model()``, or names of the wrong kind.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"model file {str(path)!r} not found; pass the path of a .py file that defines model()")
+    spec = importlib.util.spec_from_file_location(f"memplan_model_{next(_MODULE_COUNTER)}_{p.stem}", p)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{p.name}: cannot be imported as Python; give a .py file that defines model()")
+    module = importlib.util.module_from_spec(spec)
+    # The file's own directory first on the path, so it can import its neighbours.
+    sys.path.insert(0, str(p.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise ModelFileError(f"{p.name}: syntax error at line {exc.lineno}: {exc.msg}; fix the file") from None
+    except Exception as exc:  # noqa: BLE001
+        where = _user_frame(exc, p)
+        raise ModelFileError(f"{p.name}: importing it raised {_one_line(exc)}{where}; fix the file") from None
+    finally:
+        try:
+            sys.path.remove(str(p.parent.resolve()))
+        except ValueError:
+            pass
+
+    def need_callable(name: str, required: bool, signature: str) -> Callable[..., Any] | None:
+        obj = getattr(module, name, None)
+        if obj is None:
+            if required:
+                raise ModelFileError(f"{p.name} defines no {name}(); add `def {signature}: ...`")
+            return None
+        if not callable(obj):
+            raise ModelFileError(f"{p.name}: {name} must be a function `def {signature}`, got {type(obj).__name__}")
+        return obj
+
+    build = need_callable("model", True, "model() -> torch.nn.Module")
+    train = need_callable("train_data", True, "train_data() -> torch.utils.data.Dataset")
+    val = need_callable("val_data", False, "val_data() -> Dataset")
+    loss = need_callable("loss", False, "loss(model, batch) -> Tensor")
+    opt = need_callable("optimizer", False, "optimizer(parameters) -> torch.optim.Optimizer")
+    collate = need_callable("collate", False, "collate(items) -> batch")
+    blocks = need_callable("checkpoint_blocks", False, "checkpoint_blocks(model) -> list[nn.Module]")
+    settings = getattr(module, "settings", {}) or {}
+    if not isinstance(settings, Mapping):
+        raise ModelFileError(f"{p.name}: settings must be a dict, got {type(settings).__name__}")
+
+    def build_model() -> nn.Module:
+        try:
+            m = build()  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001
+            raise ModelFileError(f"{p.name}: model() raised {_one_line(exc)}{_user_frame(exc, p)}; fix model()") from None
+        if not isinstance(m, nn.Module):
+            raise ModelFileError(
+                f"{p.name}: model() returned {type(m).__name__}, not a torch.nn.Module; return the module itself"
+            )
+        return m
+
+    return Task(
+        name=p.name,
+        build_model=build_model,
+        loss_fn=loss or default_loss,  # type: ignore[arg-type]
+        build_optimizer=opt,  # type: ignore[arg-type]
+        train_data=train,  # type: ignore[arg-type]
+        val_data=val,  # type: ignore[arg-type]
+        collate=collate or default_collate,  # type: ignore[arg-type]
+        checkpoint_blocks=blocks,  # type: ignore[arg-type]
+        settings=dict(settings),
+        source_path=str(p.resolve()),
+        source_hash=_file_hash(p),
+    )
+
+
+def _user_frame(exc: BaseException, path: Path) -> str:
+    """' (line N)' of the deepest frame inside the model file, if any."""
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            line = frame.lineno
+    return f" (line {line})" if line else ""

@@ -1,0 +1,514 @@
+"""Trace one real training step's allocations, on fake tensors (or real ones as a fallback).
+
+The trace runs exactly what the trainer runs — forward and loss under the precision's
+autocast, backward (scaled under fp16), ``optimizer.step()``, ``zero_grad(set_to_none=True)``
+— for two optimizer steps, so both the step that creates optimizer state and a steady-state
+step are seen. With gradient accumulation, two micro-batches per step are traced: from the
+second micro-batch on, nothing new is alive (gradients exist, activations are the same), so
+a third would repeat the second byte for byte.
+
+Every storage that comes into being is recorded by a ``TorchDispatchMode`` (outputs of each
+op) and a weak reference (its death), giving an ordered list of allocation and free events.
+Storages are keyed by their Python object, which PyTorch keeps alive exactly as long as the
+storage itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from . import _checkpoint, _precision
+from ._config import TrainConfig
+from ._errors import MemplanError, ModelFileError
+from ._task import Task, _one_line
+
+__all__ = ["Category", "Trace", "OpRecord", "trace_step", "DataDependentShapes"]
+
+
+class Category(enum.IntEnum):
+    """What an allocation holds (the breakdown of an estimate)."""
+
+    PARAMS = 0
+    BUFFERS = 1
+    BATCH = 2
+    ACTIVATIONS = 3
+    GRADIENTS = 4
+    OPTIMIZER = 5
+    TEMPORARIES = 6
+    WORKSPACE = 7
+
+    @property
+    def label(self) -> str:
+        return {
+            0: "params", 1: "buffers", 2: "batch", 3: "activations", 4: "gradients",
+            5: "optimizer", 6: "temporaries", 7: "workspace",
+        }[int(self)]
+
+
+PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
+
+
+class DataDependentShapes(MemplanError):
+    """The model's shapes depend on data values; fake tensors cannot trace it."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One aten op of the trace, for the time model and workspace measurement."""
+
+    name: str
+    phase: int
+    flops: int
+    bytes_moved: int
+    dtype: str
+    """Dtype of the op's first floating input ("float32", "bfloat16", …)."""
+    new_bytes: int = 0
+    """Bytes of the storages the op created."""
+
+    @property
+    def significant(self) -> bool:
+        """Ops that allocate or compute: the ones real and fake runs share (fake tensors add
+        bookkeeping ops such as ``prim.device`` and ``detach`` that a real run lacks)."""
+        return self.new_bytes > 0 or self.flops > 0
+
+
+@dataclass(eq=False)
+class Trace:
+    """Ordered allocation events of one traced training run.
+
+    ``event_alloc[i]`` is the allocation an event refers to and ``event_sign[i]`` is +1 for
+    its creation, -1 for its release; ``alloc_bytes``/``alloc_category`` describe each
+    allocation. ``event_phase[i]`` indexes ``phase_labels``.
+    """
+
+    batch_size: int
+    config: TrainConfig
+    alloc_bytes: np.ndarray
+    alloc_category: np.ndarray
+    event_alloc: np.ndarray
+    event_sign: np.ndarray
+    event_phase: np.ndarray
+    phase_labels: list[str]
+    ops: list[OpRecord]
+    method: str
+    """"traced" (fake tensors) or "measured-cpu" (a real CPU run)."""
+    op_positions: list[int] = field(default_factory=list)
+    """Per op of ``ops``: the event position right after the op's outputs."""
+    op_workspace: list[int] | None = None
+    """Per op: bytes the allocator handed out during the op beyond its outputs (real,
+    profiled runs only)."""
+
+    def structure_key(self) -> tuple[int, int]:
+        return (len(self.event_alloc), len(self.alloc_bytes))
+
+    def same_structure(self, other: Trace) -> bool:
+        return (
+            self.structure_key() == other.structure_key()
+            and np.array_equal(self.event_alloc, other.event_alloc)
+            and np.array_equal(self.event_sign, other.event_sign)
+            and np.array_equal(self.alloc_category, other.alloc_category)
+        )
+
+
+class _Recorder(TorchDispatchMode):
+    """Records storage births (op outputs) and deaths (weakref callbacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc_bytes: list[int] = []
+        self.alloc_category: list[int] = []
+        self.event_alloc: list[int] = []
+        self.event_sign: list[int] = []
+        self.event_phase: list[int] = []
+        self.phase = 0
+        self.live: dict[int, int] = {}  # id(storage) -> allocation index
+        self._refs: dict[int, weakref.ref] = {}
+        self.ops: list[OpRecord] = []
+        self.op_positions: list[int] = []  # per op: event position right after its outputs
+        self.op_new_bytes: list[int] = []  # per op: bytes of the storages it created
+        self.quiet = False  # batch creation is not part of the step's ops
+        self.label_ops = False  # wrap ops in profiler ranges (real runs measuring workspaces)
+
+    # storages --------------------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, category: Category = Category.TEMPORARIES) -> int | None:
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return None  # sparse / nested tensors without a plain storage
+        key = id(storage)
+        index = self.live.get(key)
+        if index is not None:
+            return index
+        nbytes = int(storage.nbytes())
+        index = len(self.alloc_bytes)
+        self.alloc_bytes.append(nbytes)
+        self.alloc_category.append(int(category))
+        self.live[key] = index
+        self._event(index, +1)
+        self._refs[key] = weakref.ref(storage, functools_partial(self._released, key))
+        return index
+
+    def _released(self, key: int, _ref: object) -> None:
+        index = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if index is not None:
+            self._event(index, -1)
+
+    def _event(self, index: int, sign: int) -> None:
+        self.event_alloc.append(index)
+        self.event_sign.append(sign)
+        self.event_phase.append(self.phase)
+
+    def index_of(self, tensor: torch.Tensor) -> int | None:
+        try:
+            return self.live.get(id(tensor.untyped_storage()))
+        except (NotImplementedError, RuntimeError):
+            return None
+
+    # ops -------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if self.quiet:
+            out = func(*args, **kwargs)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t)
+            return out
+        if self.label_ops:
+            with torch.profiler.record_function(f"memplan_op::{len(self.ops)}"):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        in_tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        before = len(self.alloc_bytes)
+        for t in out_tensors:
+            self.track(t)
+        new_bytes = sum(self.alloc_bytes[before:])
+        flops = 0
+        if packet in flop_registry:
+            try:
+                flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            except Exception:  # noqa: BLE001 - a counting failure must not stop the trace
+                flops = 0
+        moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
+        dtype = next((str(t.dtype).replace("torch.", "") for t in in_tensors if t.is_floating_point()), "none")
+        self.ops.append(OpRecord(str(packet), self.phase, flops, moved, dtype, new_bytes))
+        self.op_positions.append(len(self.event_alloc))
+        self.op_new_bytes.append(new_bytes)
+        return out
+
+
+def functools_partial(fn: Any, key: int) -> Any:
+    # A plain closure is cheaper than functools.partial for the millions of weakrefs of big traces.
+    return lambda ref: fn(key, ref)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+# -- building the model on fake tensors ---------------------------------------------------
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
+    """A copy of a real module whose parameters and buffers are fake (ties kept)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = mode.from_tensor(b)
+    return copy.deepcopy(module, memo)
+
+
+def build_fake_model(task: Task, mode: Any) -> nn.Module:
+    """The task's model with fake CPU parameters: built on meta where it can be, so that a
+    billion-parameter model costs no real memory; else built for real and copied."""
+    if task.prebuilt is not None:
+        return _fake_copy(task.prebuilt, mode)
+    try:
+        with torch.device("meta"):
+            model = task.build_model()
+        with mode:
+            model.to_empty(device="cpu")
+        if any(t.device.type == "meta" for t in _plain_tensor_attrs(model)):
+            raise RuntimeError("plain tensor attributes left on meta")
+        return model
+    except ModelFileError:
+        raise
+    except Exception:  # noqa: BLE001 - some models cannot be built on meta; build for real
+        real = task.build_model()
+        return _fake_copy(real, mode)
+
+
+def _plain_tensor_attrs(model: nn.Module) -> Iterator[torch.Tensor]:
+    for m in model.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                yield value
+
+
+# -- the traced step ---------------------------------------------------------------------
+
+_DATA_DEPENDENT = (
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "GuardOnDataDependentSymNode",
+    "UnsupportedOperatorException",
+)
+
+
+def trace_step(
+    task: Task,
+    config: TrainConfig,
+    *,
+    batch_size: int | None = None,
+    real: bool = False,
+    profile: bool = False,
+    steps: int = 2,
+) -> Trace:
+    """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
+
+    With ``real=False`` everything runs on fake tensors; models whose shapes depend on data
+    raise :class:`DataDependentShapes`, and ``real=True`` then measures a real CPU run with
+    real batches instead.
+    """
+    b = batch_size or config.micro_batch_size
+    mode = contextlib.nullcontext() if real else _fake_mode()
+    if real:
+        model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+    else:
+        model = build_fake_model(task, mode)
+    model.train()
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    rec = _Recorder()
+    rec.label_ops = profile and real
+    phase_labels: list[str] = ["setup"]
+    hooks = _RecordingHooks(rec, phase_labels)
+    prof = None
+    try:
+        with mode:
+            for p in model.parameters():
+                rec.track(p, Category.PARAMS)
+            for buf in model.buffers():
+                rec.track(buf, Category.BUFFERS)
+            task.batch_template()  # datasets load outside the traced region
+            with contextlib.ExitStack() as stack:
+                prof = stack.enter_context(_memory_profiler()) if rec.label_ops else None
+                stack.enter_context(rec)
+                run_steps(task, config, model, batch_size=b, real=real, steps=steps, hooks=hooks)
+    except MemplanError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        name = type(exc).__name__
+        if not real and (name in _DATA_DEPENDENT or "data-dependent" in str(exc).lower()
+                         or "dynamic output shape" in str(exc).lower()):
+            raise DataDependentShapes(f"{task.name}: shapes depend on data ({name})") from exc
+        raise ModelFileError(
+            f"{task.name}: a training step with batch size {b} failed: {_one_line(exc)}; "
+            "check that the model accepts batches from train_data() and that loss() returns a scalar"
+        ) from exc
+    finally:
+        del model
+    # Whatever is still alive at the end (params, buffers, optimizer state) is released at
+    # the end of the trace's lifetime; that is not part of the step, so no events are added.
+    event_alloc, event_phase = _canonical_free_order(rec.event_alloc, rec.event_sign, rec.event_phase)
+    return Trace(
+        batch_size=b,
+        config=config,
+        alloc_bytes=np.asarray(rec.alloc_bytes, dtype=np.int64),
+        alloc_category=np.asarray(rec.alloc_category, dtype=np.int8),
+        event_alloc=event_alloc,
+        event_sign=np.asarray(rec.event_sign, dtype=np.int8),
+        event_phase=event_phase,
+        phase_labels=phase_labels,
+        ops=rec.ops,
+        method="measured-cpu" if real else "traced",
+        op_positions=rec.op_positions,
+        op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
+    )
+
+
+def _canonical_free_order(alloc: list[int], sign: list[int], phase: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Sort each run of consecutive frees by allocation index.
+
+    Storages that die together (a dict of cached casts cleared, a graph released) are freed
+    in an order that depends on hashing, not on the model; frees only lower the running total,
+    so their order within a run changes no peak, and a fixed order lets traces at different
+    batch sizes be compared event by event.
+    """
+    a = np.asarray(alloc, dtype=np.int64)
+    p = np.asarray(phase, dtype=np.int32)
+    i, n = 0, len(a)
+    while i < n:
+        if sign[i] < 0:
+            j = i
+            while j < n and sign[j] < 0 and phase[j] == phase[i]:
+                j += 1
+            a[i:j] = np.sort(a[i:j])
+            i = j
+        else:
+            i += 1
+    return a, p
+
+
+def _memory_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile as _profile
+    return _profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def _op_workspaces(prof: Any, new_bytes: list[int]) -> list[int]:
+    """Per op: the allocator's highest level during the op above its start, less the op's
+    outputs — scratch memory no tensor shows (oneDNN reorders, RNN workspaces, sort buffers)."""
+    from torch._C._profiler import _EventType
+
+    result = [0] * len(new_bytes)
+
+    def walk(nodes: Any) -> Any:
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+
+    for node in walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if node.tag != _EventType.TorchOp or not node.name.startswith("memplan_op::"):
+            continue
+        i = int(node.name.split("::", 1)[1])
+        running = peak = 0
+        allocs = [n for n in walk(node.children) if n.tag == _EventType.Allocation]
+        for a in sorted(allocs, key=lambda e: e.start_time_ns):
+            running += a.extra_fields.alloc_size
+            peak = max(peak, running)
+        if i < len(result):
+            result[i] = max(0, peak - new_bytes[i])
+    return result
+
+
+def _mark(rec: _Recorder, indices: set[int], category: Category, *, only_from: Category) -> None:
+    for i in indices:
+        if rec.alloc_category[i] == only_from:
+            rec.alloc_category[i] = int(category)
+
+
+def _mark_tensor(rec: _Recorder, tensor: torch.Tensor, category: Category) -> None:
+    index = rec.index_of(tensor)
+    if index is not None and rec.alloc_category[index] in (Category.TEMPORARIES, Category.ACTIVATIONS):
+        rec.alloc_category[index] = int(category)
+
+
+class StepHooks:
+    """Callbacks of :func:`run_steps`; the default does nothing (a plain real run)."""
+
+    def phase(self, label: str) -> None: ...
+    def making_batch(self, on: bool) -> None: ...
+    def batch(self, batch: Any) -> None: ...
+    def after_forward(self) -> None: ...
+    def after_backward(self, model: nn.Module) -> None: ...
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None: ...
+
+
+class _RecordingHooks(StepHooks):
+    def __init__(self, rec: _Recorder, phase_labels: list[str]) -> None:
+        self.rec, self.labels = rec, phase_labels
+
+    def phase(self, label: str) -> None:
+        self.labels.append(label)
+        self.rec.phase = len(self.labels) - 1
+
+    def making_batch(self, on: bool) -> None:
+        self.rec.quiet = on
+
+    def batch(self, batch: Any) -> None:
+        for leaf in tree_flatten(batch)[0]:
+            if isinstance(leaf, torch.Tensor):
+                index = self.rec.track(leaf, Category.BATCH)
+                if index is not None:
+                    self.rec.alloc_category[index] = int(Category.BATCH)
+
+    def after_forward(self) -> None:
+        _mark(self.rec, set(self.rec.live.values()), Category.ACTIVATIONS, only_from=Category.TEMPORARIES)
+
+    def after_backward(self, model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                _mark_tensor(self.rec, p.grad, Category.GRADIENTS)
+
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    _mark_tensor(self.rec, value, Category.OPTIMIZER)
+        if scaler is not None:
+            for value in (scaler._scale, scaler._growth_tracker):
+                if value is not None:
+                    _mark_tensor(self.rec, value, Category.OPTIMIZER)
+
+
+def run_steps(
+    task: Task,
+    config: TrainConfig,
+    model: nn.Module,
+    *,
+    batch_size: int,
+    real: bool,
+    steps: int = 2,
+    hooks: StepHooks | None = None,
+    device: str = "cpu",
+) -> None:
+    """The training steps that are traced and measured — the trainer's step, in miniature.
+
+    Each micro-batch's batch is created at the start of its forward and dropped after its
+    backward, as the trainer does.
+    """
+    hooks = hooks or StepHooks()
+    micro_steps = min(config.grad_accum_steps, 2)
+    optimizer = task.make_optimizer(model)
+    scaler = _precision.make_grad_scaler(config.precision, device)
+    for step in range(1, steps + 1):
+        for micro in range(1, micro_steps + 1):
+            tag = f"step {step}" + (f" micro {micro}" if micro_steps > 1 else "")
+            hooks.phase(f"{tag} forward")
+            hooks.making_batch(True)
+            if real:
+                batch = task.real_batch(batch_size, offset=(step * micro_steps + micro) * batch_size)
+                if device != "cpu":
+                    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+            else:
+                batch = task.fake_batch(batch_size)
+            hooks.making_batch(False)
+            hooks.batch(batch)
+            with _precision.forward_context(config.precision, device):
+                loss = task.compute_loss(model, batch)
+                loss = loss / config.grad_accum_steps
+            hooks.after_forward()
+            hooks.phase(f"{tag} backward")
+            _precision.backward(loss, scaler)
+            del loss, batch
+            hooks.after_backward(model)
+        hooks.phase(f"step {step} optimizer")
+        _precision.optimizer_step(optimizer, scaler, tracing=not real)
+        hooks.after_optimizer(optimizer, scaler)
+        hooks.phase(f"step {step} zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+    hooks.phase("end")
