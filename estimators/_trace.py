@@ -195,8 +195,11 @@ class _Recorder(TorchDispatchMode):
         in_tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         before = len(self.alloc_bytes)
-        for t in out_tensors:
-            self.track(t)
+        # In-place and out= ops return storage that already exists; tracking their outputs
+        # could only mistake an alias for a new allocation.
+        if not (packet.__name__.endswith("_") or "out" in kwargs):
+            for t in out_tensors:
+                self.track(t)
         new_bytes = sum(self.alloc_bytes[before:])
         flops = 0
         if packet in flop_registry:
@@ -251,8 +254,10 @@ def build_fake_model(task: Task, mode: Any) -> nn.Module:
     try:
         with torch.device("meta"):
             model = task.build_model()
+        ties = _shared_tensors(model)
         with mode:
             model.to_empty(device="cpu")
+        _retie(ties)
         if any(t.device.type == "meta" for t in _plain_tensor_attrs(model)):
             raise RuntimeError("plain tensor attributes left on meta")
         return model
@@ -261,6 +266,27 @@ def build_fake_model(task: Task, mode: Any) -> nn.Module:
     except Exception:  # noqa: BLE001 - some models cannot be built on meta; build for real
         real = task.build_model()
         return _fake_copy(real, mode)
+
+
+def _shared_tensors(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
+    """Parameters and buffers held under several names (tied embeddings and heads)."""
+    holders: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, value in getattr(module, kind).items():
+                if value is not None:
+                    holders.setdefault(id(value), []).append((module, kind, name))
+    return [refs for refs in holders.values() if len(refs) > 1]
+
+
+def _retie(ties: list[list[tuple[nn.Module, str, str]]]) -> None:
+    # ``to_empty`` may give each holder of a tied tensor its own new tensor; tie them again
+    # so the trace sees one parameter, one gradient and one optimizer state, as training does.
+    for refs in ties:
+        module, kind, name = refs[0]
+        shared = getattr(module, kind)[name]
+        for other, other_kind, other_name in refs[1:]:
+            getattr(other, other_kind)[other_name] = shared
 
 
 def _plain_tensor_attrs(model: nn.Module) -> Iterator[torch.Tensor]:

@@ -1,0 +1,85 @@
+"""The CLI: one-line errors with exit code 2, table and JSON output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memplan.cli import main
+
+GOOD = """
+import torch, torch.nn as nn
+from torch.utils.data import TensorDataset
+
+def model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+def train_data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g))
+"""
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json(write_model, capsys):
+    path = write_model(GOOD)
+    code, out, err = run_cli(capsys, "estimate", path, "--batch-size", "4", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "breakdown", "context_bytes", "method", "config"):
+        assert key in data
+    assert data["peak_reserved_bytes"] is None  # cpu target
+    assert data["config"]["micro_batch_size"] == 4
+    assert data["breakdown"]["params"] == (8 * 16 + 16 + 16 * 3 + 3) * 4
+
+
+def test_estimate_table_for_a_gpu_names_reserved_and_context(write_model, capsys):
+    path = write_model(GOOD)
+    code, out, _ = run_cli(capsys, "estimate", path, "-b", "4", "--gpu", "A100-80GB", "--precision", "bf16")
+    assert code == 0
+    assert "peak reserved" in out and "CUDA context" in out and "cuBLAS" in out and "modelled" in out
+
+
+BROKEN = {
+    "syntax": ("def model(:\n", "syntax error at line 1"),
+    "no_model": ("x = 1\n", "defines no model()"),
+    "not_module": ("def model():\n    return 3\ndef train_data():\n    return [1]\n", "not a torch.nn.Module"),
+    "import_error": ("import does_not_exist_pkg\n", "importing it raised ModuleNotFoundError"),
+    "bad_batch": (GOOD.replace("nn.Linear(8, 16)", "nn.Linear(9, 16)"), "failed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_model_files_get_one_line_and_exit_2(case, write_model, capsys):
+    source, expected = BROKEN[case]
+    path = write_model(source)
+    code, out, err = run_cli(capsys, "estimate", path, "-b", "4")
+    assert code == 2
+    assert err.count("\n") == 1 and expected in err and "model_file.py" in err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--batch-size", "0"], "--batch-size must be a whole number"),
+        (["-b", "4", "--precision", "fp8"], "unknown precision"),
+        (["-b", "4", "--gpu", "B300-NOPE"], "unknown GPU"),
+        (["-b", "4", "--precision", "bf16", "--gpu", "V100-32GB"], "no bf16"),
+    ],
+)
+def test_bad_options_get_one_line_and_exit_2(argv, expected, write_model, capsys):
+    path = write_model(GOOD)
+    code, _, err = run_cli(capsys, "estimate", path, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and expected.lower() in err.lower()
+
+
+def test_missing_file(capsys):
+    code, _, err = run_cli(capsys, "estimate", "/nonexistent/model.py", "-b", "2")
+    assert code == 2 and "not found" in err

@@ -1,0 +1,180 @@
+"""The static estimator against the CPU allocator's real peak, and its bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from estimators import ConfigError, Estimator, Task, TrainConfig, estimate
+from estimators._checkpoint import apply_checkpointing, find_block_stack, select_blocks
+from estimators._measure import measure_cpu_peak, storage_bytes
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Tied embeddings and a ModuleList of blocks: the shape of a GPT."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def lm_task() -> Task:
+    def sample(b: int):
+        g = torch.Generator().manual_seed(b)
+        x = torch.randint(0, 64, (b, 16), generator=g)
+        return x, torch.roll(x, -1, dims=1)
+    return Task(name="tinylm", build_model=lambda: TinyLM(), sample_fn=sample)
+
+
+def cnn_task() -> Task:
+    def build() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        )
+    return Task(name="cnn", build_model=build,
+                sample_fn=lambda b: (torch.randn(b, 3, 16, 16), torch.randint(0, 10, (b,))))
+
+
+def rel_error(pred: int, ref: int) -> float:
+    return abs(pred - ref) / ref
+
+
+@pytest.mark.parametrize("factory", [lm_task, cnn_task], ids=["lm", "cnn"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(micro_batch_size=6),
+        TrainConfig(micro_batch_size=6, precision="bf16-mixed"),
+        TrainConfig(micro_batch_size=5, grad_accum_steps=3),
+    ],
+    ids=["fp32", "bf16", "accum3"],
+)
+def test_prediction_matches_cpu_allocator(factory, config):
+    task = factory()
+    est = Estimator(task, device="cpu").estimate(config)
+    ref = measure_cpu_peak(task, config).peak_bytes
+    assert rel_error(est.peak_allocated_bytes, ref) < 0.01, (est.peak_allocated_bytes, ref, est.method)
+
+
+def test_checkpointing_lowers_activations_and_stays_accurate():
+    task = lm_task()
+    estimator = Estimator(task, device="cpu")
+    plain = estimator.estimate(TrainConfig(micro_batch_size=8))
+    ckpt_config = TrainConfig(micro_batch_size=8, checkpoint_segments=4)
+    ckpt = estimator.estimate(ckpt_config)
+    assert ckpt.breakdown["activations"] < plain.breakdown["activations"]
+    ref = measure_cpu_peak(task, ckpt_config).peak_bytes
+    assert rel_error(ckpt.peak_allocated_bytes, ref) < 0.01
+
+
+def test_batch_scaling_equals_a_fresh_trace():
+    task = lm_task()
+    scaled = Estimator(task, device="cpu").estimate(TrainConfig(micro_batch_size=11))
+    traced = Estimator(task, device="cpu").estimate(TrainConfig(micro_batch_size=11), exact=True)
+    assert scaled.method == "scaled" and traced.method == "traced"
+    assert scaled.peak_allocated_bytes == traced.peak_allocated_bytes
+    assert scaled.breakdown == traced.breakdown
+
+
+def test_breakdown_counts_tied_weights_once_and_adamw_state():
+    task = lm_task()
+    est = Estimator(task, device="cpu").estimate(TrainConfig(micro_batch_size=4))
+    model = TinyLM()
+    param_bytes = storage_bytes(model.parameters())
+    assert est.breakdown["params"] == param_bytes
+    # AdamW keeps exp_avg and exp_avg_sq per parameter (plus a 4-byte step each).
+    n_params = len(list(model.parameters()))
+    assert est.breakdown["optimizer"] == 2 * param_bytes + 4 * n_params
+    assert est.params == sum(p.numel() for p in model.parameters())
+    assert sum(est.breakdown.values()) == est.peak_allocated_bytes
+
+
+def test_frozen_parameters_get_no_optimizer_state():
+    def build() -> nn.Module:
+        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+        for p in m[0].parameters():
+            p.requires_grad_(False)
+        return m
+    task = Task(name="frozen", build_model=build,
+                sample_fn=lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))))
+    est = Estimator(task, device="cpu").estimate(TrainConfig(micro_batch_size=4))
+    trainable_bytes = (64 * 4 + 4) * 4
+    assert est.breakdown["optimizer"] == 2 * trainable_bytes + 4 * 2
+    assert est.trainable_params == 64 * 4 + 4
+
+
+def test_data_dependent_shapes_get_a_measured_estimate():
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 2)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            choice = self.gate(x).argmax(-1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                idx = torch.nonzero(choice == i).squeeze(-1)
+                out = out.index_add(0, idx, expert(x[idx]))
+            return self.head(out)
+    task = Task(name="router", build_model=Router,
+                sample_fn=lambda b: (torch.randn(b, 8), torch.randint(0, 3, (b,))))
+    config = TrainConfig(micro_batch_size=16)
+    est = Estimator(task, device="cpu").estimate(config)
+    assert est.method == "measured-cpu"
+    ref = measure_cpu_peak(task, config).peak_bytes
+    assert rel_error(est.peak_allocated_bytes, ref) < 0.03
+
+
+def test_cuda_target_rounds_and_simulates_the_caching_allocator():
+    est = estimate(lm_task(), batch_size=4, gpu="A100-80GB")
+    assert est.device == "cuda" and est.modelled
+    assert est.peak_allocated_bytes % 512 == 0
+    assert est.peak_reserved_bytes is not None and est.peak_reserved_bytes >= est.peak_allocated_bytes
+    # cuBLAS workspace is one allocation through the caching allocator, alive from the first GEMM.
+    assert est.breakdown["workspace"] == est.workspace_bytes == 8_519_680
+    assert est.context_bytes > 0
+    hopper = estimate(lm_task(), batch_size=4, gpu="H100-80GB")
+    assert hopper.breakdown["workspace"] == 32 * 2**20
+
+
+def test_bf16_refused_on_a_card_without_it():
+    with pytest.raises(ConfigError, match="bf16"):
+        estimate(lm_task(), batch_size=4, precision="bf16", gpu="V100-32GB")
+
+
+def test_block_stack_and_segment_selection():
+    model = TinyLM(layers=6)
+    assert find_block_stack(model) == list(model.blocks)
+    assert select_blocks(6, 0) == []
+    assert select_blocks(6, 6) == list(range(6))
+    assert select_blocks(6, 3) == [0, 2, 4]
+    assert apply_checkpointing(model, 3) == 3
+    keys = set(model.state_dict())
+    assert "blocks.0.fc1.weight" in keys  # names unchanged by checkpointing
+    with pytest.raises(ConfigError, match="blocks"):
+        apply_checkpointing(TinyLM(layers=2), 3)
