@@ -29,6 +29,7 @@ from ._config import TrainConfig, normalize_precision
 from ._errors import ConfigError
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
+from ._timing import DeviceRates, OpCosts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time
 from ._trace import Category, DataDependentShapes, Trace, trace_step
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
@@ -119,6 +120,8 @@ class _Scaling:
     intercept: np.ndarray  # bytes at batch 0 (float, affine fit)
     slope: np.ndarray
     trace: Trace
+    costs: tuple[OpCosts, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    """Base op costs and the affine fits (flops, bytes) of each op, when the anchors' ops line up."""
 
 
 @dataclass
@@ -134,6 +137,12 @@ class _Prepared:
     method: str
     notes: tuple[str, ...] = ()
     ops: list = field(default_factory=list)
+    costs: OpCosts | None = None
+
+    def op_costs(self) -> OpCosts:
+        if self.costs is None:
+            self.costs = op_costs(self.ops)
+        return self.costs
 
 
 class Estimator:
@@ -151,6 +160,8 @@ class Estimator:
         self._lock = threading.RLock()
         self._params: tuple[int, int] | None = None
         self._workspace_fits: dict[Any, Any] = {}
+        self._rates: DeviceRates | None = None
+        self._calibration = TimeCalibration()
 
     # -- public -----------------------------------------------------------------------
     def estimate(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
@@ -159,6 +170,20 @@ class Estimator:
         self.check_config(config)
         prepared, method = self._events(config, exact=exact)
         return self._replay(config, prepared, method)
+
+    def rates(self) -> DeviceRates:
+        """The target's compute and memory rates (spec table for GPUs, measured for the CPU)."""
+        if self._rates is None:
+            self._rates = gpu_rates(self.spec) if self.spec is not None else cpu_rates()
+        return self._rates
+
+    def calibrate(self, config: TrainConfig, measured_step_time_s: float) -> None:
+        """Refit the step-time model with a probe's measurement of ``config``."""
+        with self._lock:
+            factor = self._calibration.factor
+            predicted = self.estimate(config).step_time_s
+        if predicted:
+            self._calibration.add(predicted / factor, measured_step_time_s)
 
     def check_config(self, config: TrainConfig) -> None:
         if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
@@ -308,6 +333,9 @@ class Estimator:
                 phase_labels=base.phase_labels, method="scaled", notes=base.notes,
                 ops=base.ops,
             )
+            if scaling.costs is not None:
+                c, f0, f1, m0, m1 = scaling.costs
+                scaled.costs = OpCosts(np.maximum(f0 + f1 * b, 0), np.maximum(m0 + m1 * b, 0), c.dtype, c.phase, c.names)
             return scaled, "scaled"
         p = self._trace(config, b)
         return p, p.method
@@ -334,6 +362,12 @@ class Estimator:
                     # algorithms by size, so they need not be).
                     if np.array_equal(np.rint(predicted_mid[tensors]), s1[tensors]):
                         scaling = _Scaling(ANCHORS[0], intercept, slope, traces[0])
+                        costs = [op_costs(t.ops) for t in traces]
+                        if costs[0].names == costs[2].names:
+                            f1 = (costs[2].flops - costs[0].flops) / (b2 - b0)
+                            m1 = (costs[2].bytes_moved - costs[0].bytes_moved) / (b2 - b0)
+                            scaling.costs = (costs[0], costs[0].flops - f1 * b0, f1,
+                                             costs[0].bytes_moved - m1 * b0, m1)
             self._scaling[shape_key] = scaling
             return scaling
 
@@ -355,8 +389,14 @@ class Estimator:
         if cuda:
             reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
         params, trainable = self._param_counts()
+        seconds = step_time(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
+        seconds *= self._calibration.factor
+        if self._calibration.ratios:
+            notes.append(f"step time calibrated on {len(self._calibration.ratios)} probe(s)")
         assert self.spec is not None or not cuda
         return Estimate(
+            step_time_s=seconds,
+            samples_per_s=config.global_batch / seconds if seconds > 0 else None,
             config=config,
             device=self.device,
             gpu=self.spec.name if self.spec else None,

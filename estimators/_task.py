@@ -99,6 +99,8 @@ class Task:
     source_hash: str | None = None
     prebuilt: nn.Module | None = None
     """The user's own module (``from_module``); never mutated by memplan."""
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The loaded dataset and batch template: loaded once per task, dropped with it."""
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -203,15 +205,10 @@ class Task:
         return tree_map(grow, self.batch_template())
 
 
-_DATASETS: dict[int, Any] = {}
-_TEMPLATES: dict[int, Any] = {}
-
-
 def _cached_dataset(task: Task) -> Dataset | None:
     if task.train_data is None:
         return None
-    key = id(task)
-    if key not in _DATASETS:
+    if "dataset" not in task._cache:
         try:
             data = task.train_data()
         except Exception as exc:  # noqa: BLE001
@@ -221,15 +218,14 @@ def _cached_dataset(task: Task) -> Dataset | None:
                 f"{task.name}: train_data() returned {type(data).__name__}; return a map-style "
                 "torch.utils.data.Dataset (with __len__ and __getitem__)"
             )
-        _DATASETS[key] = data
-    return _DATASETS[key]
+        task._cache["dataset"] = data
+    return task._cache["dataset"]
 
 
 def _cached_template(task: Task) -> Batch:
-    key = id(task)
-    if key not in _TEMPLATES:
-        _TEMPLATES[key] = task.real_batch(1)
-    return _TEMPLATES[key]
+    if "template" not in task._cache:
+        task._cache["template"] = task.real_batch(1)
+    return task._cache["template"]
 
 
 def _repeat_rows(sample: Batch) -> Callable[[int], Batch]:

@@ -76,6 +76,8 @@ class OpRecord:
     """Dtype of the op's first floating input ("float32", "bfloat16", …)."""
     new_bytes: int = 0
     """Bytes of the storages the op created."""
+    moves_data: bool = True
+    """False for views, metadata and fake-tensor bookkeeping ops: they cost no kernel."""
 
     @property
     def significant(self) -> bool:
@@ -209,7 +211,9 @@ class _Recorder(TorchDispatchMode):
                 flops = 0
         moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
         dtype = next((str(t.dtype).replace("torch.", "") for t in in_tensors if t.is_floating_point()), "none")
-        self.ops.append(OpRecord(str(packet), self.phase, flops, moved, dtype, new_bytes))
+        inplace = packet.__name__.endswith("_") or "out" in kwargs
+        moves = bool(out_tensors) and (new_bytes > 0 or inplace or flops > 0)
+        self.ops.append(OpRecord(str(packet), self.phase, flops, moved, dtype, new_bytes, moves))
         self.op_positions.append(len(self.event_alloc))
         self.op_new_bytes.append(new_bytes)
         return out
@@ -322,6 +326,9 @@ def trace_step(
     real batches instead.
     """
     b = batch_size or config.micro_batch_size
+    # Datasets load before any mode is active: their tensors must be real, not fake, and
+    # their loading is not part of the step.
+    task.batch_template()
     mode = contextlib.nullcontext() if real else _fake_mode()
     if real:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
@@ -340,7 +347,6 @@ def trace_step(
                 rec.track(p, Category.PARAMS)
             for buf in model.buffers():
                 rec.track(buf, Category.BUFFERS)
-            task.batch_template()  # datasets load outside the traced region
             with contextlib.ExitStack() as stack:
                 prof = stack.enter_context(_memory_profiler()) if rec.label_ops else None
                 stack.enter_context(rec)

@@ -43,7 +43,7 @@ def lm_task() -> Task:
     def sample(b: int):
         g = torch.Generator().manual_seed(b)
         x = torch.randint(0, 64, (b, 16), generator=g)
-        return x, torch.roll(x, -1, dims=1)
+        return x, torch.roll(x, -1, dims=1)  # token ids < 64 fit any vocab >= 64
     return Task(name="tinylm", build_model=lambda: TinyLM(), sample_fn=sample)
 
 
