@@ -1,0 +1,1091 @@
+"""The built-in trainer: runs one ``TrainConfig`` on one device, exactly as the estimator predicted it.
+
+Read :meth:`Trainer.run` top to bottom: set up (model, optimizer, schedule, data), resume if
+asked, then loop over *optimizer-step windows* — ``grad_accum_steps`` micro-batches and one
+optimizer step — evaluating and checkpointing at window boundaries, and finish by writing the
+weights and a summary. Everything the estimator models is applied through the same helpers it
+traces with (``estimators._precision``, ``estimators._checkpoint``), so the memory that was
+predicted is the memory that is used:
+
+* forward and loss under ``forward_context`` (autocast for bf16/fp16), backward through
+  ``_precision.backward`` (scaled under fp16), ``_precision.optimizer_step`` (GradScaler step
+  and update under fp16), ``zero_grad(set_to_none=True)`` after the step;
+* each micro-batch's batch and loss are dropped right after its backward;
+* activation checkpointing via ``apply_checkpointing(model, segments, task.checkpoint_blocks)``.
+
+What runs beyond the predicted step, and costs memory the estimate does not include: the EMA
+copy of the weights (``ema_decay``), a second copy of the evaluated weights while EMA weights
+are swapped in for evaluation, gradient-norm clipping's temporaries, and ``torch.compile``.
+
+Data order is a pure function of ``(seed, epoch)``: each epoch is a permutation drawn from a
+generator seeded with both, cut into micro-batches, grouped into windows of
+``micro_batch_size * grad_accum_steps`` samples. A run therefore resumes at any window boundary
+by recomputing the permutation and starting at the saved sample offset — even with another
+micro-batch size, as long as the global batch is the same (what OOM recovery will need).
+
+What a run writes to ``out_dir``:
+
+``checkpoint.pt``   everything to resume exactly (weights, optimizer, schedule, GradScaler, EMA,
+                    RNG states, data position, counters, config, options); written atomically at
+                    ``checkpoint_every``, at the end and on SIGINT/SIGTERM, never during a run of
+                    NaN losses and never with non-finite weights.
+``best_model.pt``   the best evaluated weights so far (only with validation data).
+``model.pt``        the result: best weights with early stopping, else the final ones (EMA's if on).
+``metrics.jsonl``   one JSON object a line: ``{"type": "step", "step", "epoch", "loss", "lr",
+                    "samples_per_s", "grad_norm", "peak_memory_bytes", "skipped"[, "scaler_skipped",
+                    "gpu_util_percent", "gpu_memory_used_bytes"]}`` per optimizer step,
+                    ``{"type": "eval", "step", "epoch", "val_loss"[, "val_accuracy"], "best",
+                    "improved"}`` per evaluation, ``{"type": "resume", ...}`` when resumed
+                    (appended to; lines logged after the last checkpoint of a crashed run repeat).
+                    NaN/inf are written as the strings ``"nan"``/``"inf"``.
+``summary.json``    wall time, steps, best and final metrics, measured vs predicted peak memory.
+
+Example:
+    >>> from estimators import TrainConfig, load_task        # doctest: +SKIP
+    >>> task = load_task("examples/digits.py")                # doctest: +SKIP
+    >>> result = train(task, TrainConfig(micro_batch_size=32, grad_accum_steps=2),
+    ...                TrainOptions(epochs=5, out_dir="runs/digits"))   # doctest: +SKIP
+    >>> result.final_metrics["val_accuracy"] > 0.95          # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import json
+import logging
+import math
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from estimators import ConfigError, ModelFileError, Task, TrainConfig, TrainingError, format_size
+from estimators import _checkpoint, _precision
+from estimators._task import default_loss
+
+from ._checkpoint_io import load_checkpoint, save_checkpoint
+from ._schedules import SCHEDULES, LRSchedule, ScheduleName, make_schedule
+
+__all__ = ["TrainOptions", "TrainResult", "Trainer", "train", "epoch_permutation"]
+
+log = logging.getLogger("memplan.trainer")
+
+Batch = Any
+CHECKPOINT_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Options and result
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainOptions:
+    """How to train (the *what*, micro-batch/precision/…, is the ``TrainConfig``)."""
+
+    epochs: int | None = None
+    """Passes over the training data. With neither ``epochs`` nor ``max_steps``, the model
+    file's ``settings["epochs"]``/``settings["max_steps"]`` are used, else one epoch."""
+    max_steps: int | None = None
+    """Optimizer steps. With ``epochs`` too, whichever comes first ends the run."""
+    lr: float | None = None
+    """Peak learning rate for every parameter group. ``None``: ``settings["lr"]`` of the model
+    file, else the optimizer's own lr per group."""
+    schedule: ScheduleName = "cosine"
+    """``cosine`` (linear warm-up + cosine), ``onecycle``, ``step``, ``plateau`` or ``constant``;
+    stepped once per optimizer step. See :mod:`memplan._schedules`."""
+    schedule_args: Mapping[str, Any] | None = None
+    """Shape arguments of the schedule (``min_lr_ratio``, ``gamma``, ``patience``, …)."""
+    warmup_steps: int | None = None
+    """Linear warm-up in optimizer steps. ``None``: ``settings["warmup_steps"]``, else 0."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value (``None``: no clipping)."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the training loss. Only with the default loss (cross-entropy of
+    ``model(inputs)``); a model file with its own ``loss()`` passes ``label_smoothing`` to
+    ``F.cross_entropy`` itself, and setting it here is an error. Validation loss is unsmoothed."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights with this decay (e.g. 0.999); the EMA
+    weights are evaluated, selected as best and written to ``model.pt``. ``None``: off."""
+    early_stopping_patience: int | None = None
+    """Stop after this many evaluations without improvement of ``monitor``; the best weights
+    are restored at the end. ``None``: train to the end (final weights are written)."""
+    monitor: str = "val_loss"
+    """Validation metric for best weights, early stopping and the plateau schedule."""
+    monitor_mode: Literal["min", "max"] | None = None
+    """``None``: ``min`` for names containing "loss", else ``max``."""
+    eval_every: int | None = None
+    """Evaluate every this many optimizer steps. ``None``: at the end of each epoch. There is
+    always an evaluation at the end of the run."""
+    checkpoint_every: int | None = None
+    """Write ``checkpoint.pt`` every this many optimizer steps. ``None``: at the end of each epoch.
+    There is always one at the end and on SIGINT/SIGTERM."""
+    out_dir: Path = Path("memplan-run")
+    """Where ``model.pt``, ``checkpoint.pt``, ``metrics.jsonl`` and ``summary.json`` go."""
+    resume: bool = False
+    """Continue from ``out_dir/checkpoint.pt`` if it exists (else start afresh)."""
+    seed: int = 0
+    """Seeds model initialisation, dropout and the data order."""
+    device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    compile: bool = False
+    """Run the forward pass through ``torch.compile`` (state dicts keep their plain names)."""
+    num_workers: int | None = None
+    """DataLoader worker processes. ``None``: 0 for in-memory ``TensorDataset``s (indexing a
+    tensor is cheaper than shipping it between processes), else ``min(2, cpus - 1)`` so that
+    at least one core is left to the training process itself."""
+    prefetch_factor: int = 2
+    """Batches each worker loads ahead (only with workers)."""
+    max_nonfinite: int = 3
+    """Stop with ``TrainingError`` after this many consecutive windows with a NaN/inf loss."""
+    progress: bool = True
+    """Show a tqdm progress bar (tqdm hides it by itself when stderr is not a terminal)."""
+    metrics_path: Path | None = None
+    """JSON-lines metrics log. ``None``: ``out_dir/metrics.jsonl``."""
+    predicted_peak_bytes: int | None = None
+    """The estimate's peak, compared with the measured peak in the summary."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.metrics_path is not None:
+            object.__setattr__(self, "metrics_path", Path(self.metrics_path))
+        for name in ("epochs", "max_steps", "eval_every", "checkpoint_every", "early_stopping_patience"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"TrainOptions.{name} must be a whole number >= 1 or None, got {value!r}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ConfigError(f"TrainOptions.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"TrainOptions.schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"TrainOptions.lr must be > 0, got {self.lr!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"TrainOptions.grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"TrainOptions.label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"TrainOptions.ema_decay must be in (0, 1) or None, got {self.ema_decay!r}")
+        if self.monitor_mode not in (None, "min", "max"):
+            raise ConfigError(f"TrainOptions.monitor_mode must be 'min', 'max' or None, got {self.monitor_mode!r}")
+        if self.max_nonfinite < 1:
+            raise ConfigError(f"TrainOptions.max_nonfinite must be >= 1, got {self.max_nonfinite!r}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ConfigError(f"TrainOptions.num_workers must be >= 0 or None, got {self.num_workers!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"TrainOptions.device {self.device!r} is not a device; use 'cpu' or 'cuda'") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"TrainOptions.device {self.device!r}: the trainer runs on 'cpu' or 'cuda'")
+
+    @property
+    def mode(self) -> Literal["min", "max"]:
+        if self.monitor_mode is not None:
+            return self.monitor_mode
+        return "min" if "loss" in self.monitor else "max"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (paths as strings), for checkpoints and the summary."""
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, Path):
+                d[k] = str(v)
+        if d["schedule_args"] is not None:
+            d["schedule_args"] = dict(d["schedule_args"])
+        return d
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainResult:
+    """What a finished (or interrupted) run did; ``summary`` is ``summary.json``'s content."""
+
+    steps: int
+    """Optimizer-step windows done, skipped ones included, over all resumed runs."""
+    epochs_completed: int
+    best_metric: float | None
+    """Best value of ``TrainOptions.monitor``; ``None`` without validation data."""
+    final_metrics: dict[str, float]
+    """``train_loss`` of the last window plus the validation metrics of the written weights."""
+    wall_s: float
+    interrupted: bool
+    """True when SIGINT/SIGTERM stopped the run; ``checkpoint.pt`` resumes it."""
+    skipped_steps: int
+    """Windows skipped because the loss was NaN/inf (GradScaler skips are in the summary)."""
+    out_dir: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def train(
+    task: Task,
+    config: TrainConfig,
+    options: TrainOptions | None = None,
+    *,
+    memory_guard: ContextManager[Any] | None = None,
+) -> TrainResult:
+    """Train ``task`` with ``config``; see :class:`Trainer`.
+
+    Example:
+        >>> result = train(task, TrainConfig(micro_batch_size=8), TrainOptions(epochs=1))  # doctest: +SKIP
+    """
+    return Trainer(task, config, options or TrainOptions(), memory_guard=memory_guard).run()
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: a resumable order
+# ----------------------------------------------------------------------------------------------
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the ``n`` training items in ``epoch``: a pure function of ``(seed, epoch)``."""
+    g = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+    return torch.randperm(n, generator=g)
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # Any injective-enough mix works; it must not depend on anything but (seed, epoch).
+    return (int(seed) * 1_000_003 + int(epoch) * 7_919 + 12_345) % (2**63 - 1)
+
+
+class _EpochBatches:
+    """DataLoader batch sampler: the micro-batches of one epoch from a sample offset on.
+
+    Set the position with :meth:`set_position` *before* each ``iter(loader)``; the sampler is
+    read in the main process, so this works with persistent workers too.
+    """
+
+    def __init__(self, n: int, micro_batch_size: int, seed: int) -> None:
+        self.n, self.micro, self.seed = n, micro_batch_size, seed
+        self.slices: list[list[int]] = []
+
+    def set_position(self, epoch: int, start: int) -> list[list[int]]:
+        order = epoch_permutation(self.n, self.seed, epoch)[start:].tolist()
+        self.slices = [order[i:i + self.micro] for i in range(0, len(order), self.micro)]
+        return self.slices
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.slices)
+
+    def __len__(self) -> int:
+        return len(self.slices)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """One optimizer step's worth of data: the dataset indices of each micro-batch.
+
+    A window is the unit that OOM recovery will replay: its indices identify the samples, so it
+    can be re-cut into micro-batches of another size (same global batch) and run again.
+    """
+
+    epoch: int
+    start: int
+    """Offset of the window's first sample in the epoch's permutation."""
+    micro_indices: list[list[int]]
+
+    @property
+    def n_items(self) -> int:
+        return sum(len(m) for m in self.micro_indices)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_items
+
+    def recut(self, micro_batch_size: int) -> _Window:
+        """The same samples in micro-batches of another size (same global batch)."""
+        flat = [i for m in self.micro_indices for i in m]
+        micro = [flat[k:k + micro_batch_size] for k in range(0, len(flat), micro_batch_size)]
+        return _Window(epoch=self.epoch, start=self.start, micro_indices=micro)
+
+
+@dataclass
+class _WindowOutcome:
+    loss: float
+    """Mean training loss over the window's samples (NaN/inf when non-finite)."""
+    applied: bool
+    """The optimizer step changed the weights."""
+    nonfinite: bool = False
+    """Skipped: NaN/inf loss (or gradient norm without a GradScaler)."""
+    scaler_skipped: bool = False
+    """fp16: the GradScaler found inf/NaN gradients and skipped the step (normal early on)."""
+    grad_norm: float | None = None
+    seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# EMA of the weights
+# ----------------------------------------------------------------------------------------------
+
+class _EMA:
+    """Exponential moving average of the floating-point state (parameters and float buffers
+    such as BatchNorm statistics); integer buffers are taken from the live model."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        state = model.state_dict()
+        for name, avg in self.shadow.items():
+            avg.lerp_(state[name].detach(), 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self, model: nn.Module) -> Iterator[None]:
+        """The EMA weights in the model for the duration (evaluation, saving)."""
+        backup = {k: v.detach().clone() for k, v in model.state_dict().items() if k in self.shadow}
+        model.load_state_dict(self.shadow, strict=False)
+        try:
+            yield
+        finally:
+            model.load_state_dict(backup, strict=False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            self.shadow[name].copy_(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------------------------
+
+class Trainer:
+    """Single-device trainer for one :class:`TrainConfig` (DDP/FSDP come later).
+
+    After :meth:`run`, ``self.model`` holds the written weights (best or final, EMA if on).
+    ``memory_guard`` is entered around the run (model, optimizer, every step; not the dataset), so that a
+    CPU memory budget covers what the estimate covers; its ``peak_bytes`` attribute, if it has
+    one, is reported as the measured peak.
+    """
+
+    def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *,
+                 memory_guard: ContextManager[Any] | None = None) -> None:
+        if config.strategy != "single" or config.world_size != 1:
+            raise ConfigError(
+                f"the built-in trainer runs one device for now; got strategy {config.strategy!r} "
+                f"x{config.world_size}; use TrainConfig(strategy='single', world_size=1)"
+            )
+        if task.train_data is None:
+            raise ModelFileError(f"{task.name}: define train_data() to train")
+        if options.label_smoothing and task.loss_fn is not default_loss:
+            raise ConfigError(
+                f"label_smoothing applies only to the default loss, and {task.name} defines its own "
+                "loss(); pass it there instead: F.cross_entropy(logits, targets, label_smoothing=0.1)"
+            )
+        needs_val = [name for name, on in (
+            ("schedule='plateau'", options.schedule == "plateau"),
+            ("early_stopping_patience", options.early_stopping_patience is not None),
+        ) if on]
+        if needs_val and task.val_data is None:
+            raise ConfigError(f"{', '.join(needs_val)} needs validation data; define val_data() in {task.name}")
+        if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' asked for but torch sees no CUDA GPU; use device='cpu'")
+        self.task, self.config, self.options = task, config, options
+        self.memory_guard = memory_guard
+        self.device = torch.device(options.device)
+        self.out_dir = options.out_dir
+        self.checkpoint_path = self.out_dir / "checkpoint.pt"
+        self.best_path = self.out_dir / "best_model.pt"
+        self.model_path = self.out_dir / "model.pt"
+        self.metrics_path = options.metrics_path or self.out_dir / "metrics.jsonl"
+        self._stop_signal: str | None = None
+
+    # -- the run, top to bottom ------------------------------------------------------------
+    def run(self) -> TrainResult:
+        t0 = time.perf_counter()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._setup_data()
+        guard = self.memory_guard if self.memory_guard is not None else contextlib.nullcontext()
+        with guard, self._stop_on_signals():
+            self._setup()
+            resumed_from = self._resume() if self.options.resume else None
+            self._metrics_file = open(self.metrics_path, "a" if resumed_from is not None else "w")
+            self._bar = self._progress_bar()
+            try:
+                if resumed_from is not None:
+                    self._log({"type": "resume", "step": self.step, "epoch": self.epoch})
+                interrupted = self._train_loop()
+                if not interrupted:
+                    self._finish_evaluation()
+                self._save_checkpoint()
+                self._write_result_weights()
+            finally:
+                self._bar.close()
+                self._metrics_file.close()
+            wall_s = time.perf_counter() - t0
+            summary = self._summary(wall_s, interrupted, resumed_from)
+        _write_json_atomic(self.out_dir / "summary.json", summary)
+        if interrupted:
+            log.warning("stopped by %s at step %d; checkpoint %s resumes it (resume=True)",
+                        self._stop_signal, self.step, self.checkpoint_path)
+        return TrainResult(
+            steps=self.step, epochs_completed=self.epoch, best_metric=self.best_metric,
+            final_metrics=dict(summary["final_metrics"]), wall_s=wall_s, interrupted=interrupted,
+            skipped_steps=self.skipped_steps, out_dir=self.out_dir, summary=summary,
+        )
+
+    def _train_loop(self) -> bool:
+        """Windows until the run is done; True when a signal interrupted it."""
+        windows = self._windows()
+        try:
+            while self.step < self.total_steps and not self.stopped_early:
+                window, batches = next(windows)
+                outcome = self._run_window(window, batches, self.config)
+                self._after_window(window, outcome)
+                epoch_ended = self.epoch_offset == 0
+                if self._due(self.options.eval_every, epoch_ended) and self.val_loader is not None:
+                    self._evaluate_and_track()
+                if self._due(self.options.checkpoint_every, epoch_ended) and self.consecutive_nonfinite == 0:
+                    # Not during a NaN streak: the last checkpoint before it is the good one.
+                    self._save_checkpoint()
+                if self._stop_signal is not None:
+                    return True
+        finally:
+            windows.close()  # let go of the half-read epoch's DataLoader iterator
+        return False
+
+    # -- setup -----------------------------------------------------------------------------
+    def _setup_data(self) -> None:
+        """Datasets and loaders. Runs first and outside the memory guard: the dataset is not
+        part of the training step's memory (on a GPU it is not even on the device), and dataset
+        code may draw random numbers -- whether it already ran in this process (the estimator
+        caches datasets) must not change the model's initialisation."""
+        opts, task, config = self.options, self.task, self.config
+        dataset = task.dataset()
+        assert dataset is not None
+        self.n_train = len(dataset)  # type: ignore[arg-type]
+        if self.n_train == 0:
+            raise ModelFileError(f"{task.name}: train_data() is empty; it must hold at least one item")
+        self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed)
+        # The loader's own generator: DataLoader draws its worker base seed from it at every
+        # iter(); drawing from the global RNG instead would shift dropout after a resume.
+        self._loader_generator = torch.Generator()
+        self.train_loader = self._make_loader(dataset, batch_sampler=self.sampler)
+        self.val_loader = self._make_val_loader()
+
+    def _setup(self) -> None:
+        """Model, optimizer, precision, EMA, schedule and the counters, inside the guard."""
+        opts, task, config = self.options, self.task, self.config
+        # Seed everything the model's initialisation and dropout draw from; the data order has
+        # its own generators and does not depend on this state.
+        _seed_everything(opts.seed)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the summary's peak is this run's
+        model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+        self.model = model.to(self.device)
+        self.model.train()
+        _checkpoint.apply_checkpointing(self.model, config.checkpoint_segments, task.checkpoint_blocks)
+        # The compiled module shares the parameters; state dicts are taken from the plain one so
+        # that their keys do not depend on whether the run was compiled.
+        self.forward_model: nn.Module = torch.compile(self.model) if opts.compile else self.model  # type: ignore[assignment]
+
+        self.optimizer = task.make_optimizer(self.model)
+        lr = opts.lr if opts.lr is not None else task.settings.get("lr")
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(lr)
+        self.scaler = _precision.make_grad_scaler(config.precision, self.device.type)
+        self.ema = _EMA(self.model, opts.ema_decay) if opts.ema_decay is not None else None
+        self._loss_fn = self._training_loss()
+
+        # Length of the run, in optimizer steps (windows).
+        self.steps_per_epoch = math.ceil(self.n_train / config.global_batch)
+        epochs, max_steps = opts.epochs, opts.max_steps
+        if epochs is None and max_steps is None:
+            epochs = task.settings.get("epochs")
+            max_steps = task.settings.get("max_steps")
+            if epochs is None and max_steps is None:
+                epochs = 1
+        candidates = [int(epochs) * self.steps_per_epoch] if epochs else []
+        candidates += [int(max_steps)] if max_steps else []
+        self.total_steps = min(candidates)
+        warmup = opts.warmup_steps if opts.warmup_steps is not None else int(task.settings.get("warmup_steps", 0))
+        schedule_args = dict(opts.schedule_args or {})
+        if opts.schedule == "plateau":
+            schedule_args.setdefault("mode", opts.mode)
+        self.schedule: LRSchedule = make_schedule(
+            opts.schedule, self.optimizer, warmup_steps=warmup, total_steps=self.total_steps, **schedule_args
+        )
+
+        # Progress, saved in checkpoints.
+        self.step = 0
+        self.epoch = 0  # = epochs completed
+        self.epoch_offset = 0  # samples of the current epoch already consumed
+        self.samples_seen = 0
+        self.skipped_steps = 0
+        self.scaler_skipped_steps = 0
+        self.consecutive_nonfinite = 0
+        self.best_metric: float | None = None
+        self.best_step: int | None = None
+        self.best_metrics: dict[str, float] = {}
+        self.bad_evaluations = 0
+        self.stopped_early = False
+        self.last_metrics: dict[str, float] = {}
+        self.last_eval_step: int | None = None
+        self.last_train_loss: float | None = None
+        self.last_checkpoint_step: int | None = None
+        # This process only.
+        self._throughput: list[tuple[int, float]] = []
+        self._nvml: Any = None
+
+    def _training_loss(self) -> Callable[[nn.Module, Batch], torch.Tensor]:
+        smoothing = self.options.label_smoothing
+        if not smoothing:
+            return self.task.compute_loss
+
+        def smoothed(model: nn.Module, batch: Batch) -> torch.Tensor:
+            logits, targets = _logits_and_targets(model, batch)
+            return F.cross_entropy(logits, targets, label_smoothing=smoothing)
+        return smoothed
+
+    def _num_workers(self, dataset: Dataset) -> int:
+        if self.options.num_workers is not None:
+            return self.options.num_workers
+        if isinstance(dataset, TensorDataset):
+            return 0
+        return min(2, max(0, (os.cpu_count() or 1) - 1))
+
+    def _make_loader(self, dataset: Dataset, **kwargs: Any) -> DataLoader:
+        workers = self._num_workers(dataset)
+        return DataLoader(
+            dataset,
+            collate_fn=self.task.collate,
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",  # page-locked host memory: async copies to the GPU
+            persistent_workers=workers > 0,  # no worker start-up cost at every epoch
+            prefetch_factor=self.options.prefetch_factor if workers > 0 else None,
+            **{"generator": self._loader_generator, **kwargs},
+        )
+
+    def _make_val_loader(self) -> DataLoader | None:
+        if self.task.val_data is None:
+            return None
+        try:
+            data = self.task.val_data()
+        except Exception as exc:  # noqa: BLE001 - the user's code, reported with the fix
+            raise ModelFileError(f"{self.task.name}: val_data() raised {type(exc).__name__}: {exc}; fix the dataset code") from None
+        if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+            raise ModelFileError(f"{self.task.name}: val_data() returned {type(data).__name__}; return a map-style Dataset")
+        if len(data) == 0:
+            return None
+        # Validation needs no gradients, so the training micro-batch always fits. Its own
+        # generator: evaluating must not move anything the training data order depends on.
+        return self._make_loader(data, batch_size=self.config.micro_batch_size, shuffle=False, drop_last=False,
+                                 generator=torch.Generator().manual_seed(self.options.seed))
+
+    # -- the data, window by window --------------------------------------------------------
+    def _windows(self) -> Iterator[tuple[_Window, Iterator[Batch]]]:
+        """Windows from the current data position on, across epochs, without end.
+
+        Each comes with an iterator over its collated micro-batches, read lazily from the
+        DataLoader: only one micro-batch is held at a time, as the estimator assumes.
+        """
+        epoch, start = self.epoch, self.epoch_offset
+        per_window = self.config.grad_accum_steps
+        while True:
+            micro_batches = self.sampler.set_position(epoch, start)
+            self._loader_generator.manual_seed(_epoch_seed(self.options.seed, epoch))
+            loader_iter = iter(self.train_loader)
+            offset = start
+            for i in range(0, len(micro_batches), per_window):
+                window = _Window(epoch=epoch, start=offset, micro_indices=micro_batches[i:i + per_window])
+                offset = window.end
+                yield window, itertools.islice(loader_iter, len(window.micro_indices))
+            del loader_iter
+            epoch, start = epoch + 1, 0
+
+    def _collate_window(self, window: _Window) -> Iterator[Batch]:
+        """The window's micro-batches straight from the dataset, one at a time: for replaying a
+        window (``window.recut(new_micro)``) without the DataLoader; a plain run never does."""
+        dataset = self.task.dataset()
+        for indices in window.micro_indices:
+            yield self.task.collate([dataset[i] for i in indices])  # type: ignore[index]
+
+    # -- one optimizer step ----------------------------------------------------------------
+    def _run_window(self, window: _Window, batches: Iterator[Batch], config: TrainConfig) -> _WindowOutcome:
+        """Forward/backward every micro-batch of ``window``, then one optimizer step.
+
+        Nothing of the window is applied before ``optimizer_step``, and gradients start from
+        ``None``: if this raises before the step (an OOM, say), the window can be run again
+        from its start with another ``config`` of the same global batch::
+
+            window = window.recut(new_config.micro_batch_size)
+            self._run_window(window, self._collate_window(window), new_config)
+        """
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)  # a no-op normally; makes a replay start clean
+        window_loss = torch.zeros((), device=self.device)
+        for indices, batch in zip(window.micro_indices, batches):
+            batch = self._to_device(batch)
+            # Weight each micro-batch by its share of the window's samples, so that the summed
+            # gradients are those of the mean loss over the whole window -- the large batch's
+            # gradient exactly, also for a short last window or a short last micro-batch. With
+            # full micro-batches this is the usual loss / grad_accum_steps.
+            weight = len(indices) / window.n_items
+            with _precision.forward_context(config.precision, self.device.type):
+                loss = self._loss_fn(self.forward_model, batch) * weight
+            _precision.backward(loss, self.scaler)
+            window_loss += loss.detach().float()
+            del batch, loss  # free the batch and the graph now, as the estimate assumes
+
+        loss_value = float(window_loss)  # waits for the device once per step; the log needs it anyway
+        if not math.isfinite(loss_value):
+            # Skip: nothing applied (weights, optimizer state, scaler and schedule untouched).
+            self.optimizer.zero_grad(set_to_none=True)
+            return _WindowOutcome(loss_value, applied=False, nonfinite=True, seconds=time.perf_counter() - t0)
+
+        grad_norm = None
+        if self.options.grad_clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip)
+            grad_norm = float(norm)
+            if self.scaler is None and not math.isfinite(grad_norm):
+                # Without a scaler nobody else would stop inf gradients from reaching the weights.
+                self.optimizer.zero_grad(set_to_none=True)
+                return _WindowOutcome(loss_value, applied=False, nonfinite=True, grad_norm=grad_norm,
+                                      seconds=time.perf_counter() - t0)
+        applied = _precision.optimizer_step(self.optimizer, self.scaler)
+        self.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next backward
+        return _WindowOutcome(loss_value, applied=applied, scaler_skipped=not applied,
+                              grad_norm=grad_norm, seconds=time.perf_counter() - t0)
+
+    def _after_window(self, window: _Window, outcome: _WindowOutcome) -> None:
+        """Advance the position and counters, step the schedule and EMA, log the step."""
+        lr = self.schedule.get_last_lr()[0]  # the lr this step used
+        self.step += 1
+        self.samples_seen += window.n_items
+        if window.end >= self.n_train:
+            self.epoch, self.epoch_offset = self.epoch + 1, 0
+        else:
+            self.epoch_offset = window.end
+
+        if outcome.nonfinite:
+            self.skipped_steps += 1
+            self.consecutive_nonfinite += 1
+        else:
+            self.consecutive_nonfinite = 0
+            self.last_train_loss = outcome.loss
+            # A step the GradScaler skipped still moves the schedule on (as Lightning does):
+            # such skips happen while the scale calibrates and are not a training problem.
+            self.schedule.step()
+            if outcome.applied and self.ema is not None:
+                self.ema.update(self.model)
+            if outcome.scaler_skipped:
+                self.scaler_skipped_steps += 1
+
+        samples_per_s = window.n_items / outcome.seconds if outcome.seconds > 0 else None
+        self._throughput.append((window.n_items, outcome.seconds))
+        record: dict[str, Any] = {
+            "type": "step", "step": self.step, "epoch": window.epoch,
+            "loss": outcome.loss,
+            "lr": lr, "samples_per_s": samples_per_s, "grad_norm": outcome.grad_norm,
+            "peak_memory_bytes": self._peak_memory(), "skipped": outcome.nonfinite,
+        }
+        if outcome.scaler_skipped:
+            record["scaler_skipped"] = True
+        record.update(self._gpu_stats())
+        self._log(record)
+        self._bar.update(1)
+        postfix = {"loss": f"{outcome.loss:.4g}", "lr": f"{lr:.3g}"}
+        if samples_per_s:
+            postfix["samples/s"] = f"{samples_per_s:.1f}"
+        if record["peak_memory_bytes"]:
+            postfix["mem"] = format_size(record["peak_memory_bytes"])
+        self._bar.set_postfix(postfix, refresh=False)
+
+        if self.consecutive_nonfinite >= self.options.max_nonfinite:
+            where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
+                     if self.last_checkpoint_step is not None
+                     else "no checkpoint was written before it (set checkpoint_every to keep one)")
+            raise TrainingError(
+                f"loss was NaN/inf for {self.consecutive_nonfinite} consecutive steps at step {self.step}; "
+                f"lower the learning rate or use bf16/fp32 instead of fp16; {where}"
+            )
+
+    def _due(self, every: int | None, epoch_ended: bool) -> bool:
+        return epoch_ended if every is None else self.step % every == 0
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (mean over samples) and, with the default loss and class targets,
+        accuracy (per token for ``(B, T, V)`` outputs). Uses the EMA weights when on."""
+        assert self.val_loader is not None
+        default = self.task.loss_fn is default_loss
+        total_loss, total_weight, correct, counted = 0.0, 0, 0, 0
+        self.model.eval()
+        swap = self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
+        try:
+            with swap:
+                for batch in self.val_loader:
+                    batch = self._to_device(batch)
+                    with _precision.forward_context(self.config.precision, self.device.type):
+                        if default:
+                            logits, targets = _logits_and_targets(self.forward_model, batch)
+                            loss = F.cross_entropy(logits.float(), targets)
+                        else:
+                            loss = self.task.compute_loss(self.forward_model, batch)
+                    if default and not targets.is_floating_point():
+                        valid = targets != -100  # cross_entropy's ignore_index
+                        n = int(valid.sum())
+                        correct += int(((logits.argmax(dim=1) == targets) & valid).sum())
+                        counted += n
+                    else:
+                        n = _batch_len(batch)
+                    if n:
+                        total_loss += float(loss) * n
+                        total_weight += n
+        finally:
+            self.model.train()
+        metrics = {"val_loss": total_loss / total_weight if total_weight else float("nan")}
+        if counted:
+            metrics["val_accuracy"] = correct / counted
+        return metrics
+
+    def _evaluate_and_track(self) -> None:
+        metrics = self.evaluate()
+        self.last_metrics, self.last_eval_step = metrics, self.step
+        if self.options.monitor not in metrics:
+            raise ConfigError(
+                f"monitor {self.options.monitor!r} is not a validation metric of {self.task.name}; "
+                f"available: {', '.join(sorted(metrics))}"
+            )
+        value = metrics[self.options.monitor]
+        improved = math.isfinite(value) and (
+            self.best_metric is None
+            or (value < self.best_metric if self.options.mode == "min" else value > self.best_metric)
+        )
+        if improved:
+            self.best_metric, self.best_step, self.best_metrics = value, self.step, dict(metrics)
+            self.bad_evaluations = 0
+            # Best weights go to disk, not to RAM: no second copy of the model stays alive.
+            save_checkpoint(self._eval_state_dict(), self.best_path)
+        else:
+            self.bad_evaluations += 1
+        self.schedule.observe(value)
+        patience = self.options.early_stopping_patience
+        if patience is not None and self.bad_evaluations >= patience:
+            self.stopped_early = True
+        self._log({"type": "eval", "step": self.step, "epoch": self.epoch, **metrics,
+                   "best": self.best_metric, "improved": improved})
+        if not self._bar.disable:
+            self._bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                            + (" (best)" if improved else ""))
+
+    def _finish_evaluation(self) -> None:
+        """The run's last evaluation, unless the last window was just evaluated."""
+        if self.val_loader is not None and self.last_eval_step != self.step:
+            self._evaluate_and_track()
+
+    def _eval_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights that are evaluated and written: the EMA's when on, else the model's."""
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.ema is not None:
+            state.update({k: v.detach().clone() for k, v in self.ema.shadow.items()})
+        return state
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        if not _all_finite(self.model):
+            raise TrainingError(
+                f"the weights became NaN/inf by step {self.step}; not overwriting the last good "
+                f"checkpoint {self.checkpoint_path}; lower the learning rate, set grad_clip, or use "
+                "bf16/fp32 instead of fp16"
+            )
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "epoch": self.epoch,
+            "epoch_sample_offset": self.epoch_offset,
+            "epoch_micro_batches": math.ceil(self.epoch_offset / self.config.micro_batch_size),
+            "n_train": self.n_train,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "rng": _rng_state(),
+            "config": self.config.to_dict(),
+            "options": self.options.to_dict(),
+            "task": {"name": self.task.name, "source_hash": self.task.source_hash},
+            "best": {
+                "metric": self.best_metric, "step": self.best_step, "metrics": self.best_metrics,
+                "path": str(self.best_path) if self.best_step is not None else None,
+                "bad_evaluations": self.bad_evaluations, "stopped_early": self.stopped_early,
+            },
+            "counters": {
+                "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                "scaler_skipped_steps": self.scaler_skipped_steps,
+                "consecutive_nonfinite": self.consecutive_nonfinite,
+                "last_train_loss": self.last_train_loss, "last_eval_step": self.last_eval_step,
+                "last_metrics": self.last_metrics,
+            },
+        }
+        save_checkpoint(state, self.checkpoint_path)
+        self.last_checkpoint_step = self.step
+
+    def _resume(self) -> int | None:
+        """Load ``checkpoint.pt`` if there is one; returns its step (None: fresh start)."""
+        if not self.checkpoint_path.exists():
+            log.info("no checkpoint at %s; starting from scratch", self.checkpoint_path)
+            return None
+        ckpt = load_checkpoint(self.checkpoint_path, map_location=self.device)
+        saved = TrainConfig.from_dict(ckpt["config"])
+        if saved.global_batch != self.config.global_batch:
+            raise ConfigError(
+                f"{self.checkpoint_path} was trained with a global batch of {saved.global_batch}, this "
+                f"config has {self.config.global_batch}; resume with the same micro_batch_size x "
+                "grad_accum_steps product, or use another out_dir"
+            )
+        if ckpt["options"]["seed"] != self.options.seed or ckpt["n_train"] != self.n_train:
+            raise ConfigError(
+                f"{self.checkpoint_path} was written with seed {ckpt['options']['seed']} and "
+                f"{ckpt['n_train']} training items; resuming needs the same seed and data "
+                f"(got seed {self.options.seed}, {self.n_train} items)"
+            )
+        if ckpt["task"]["source_hash"] != self.task.source_hash:
+            log.warning("%s changed since the checkpoint was written", self.task.name)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.schedule.load_state_dict(ckpt["schedule"])  # after the optimizer: it sets the lr
+        if self.scaler is not None and ckpt["scaler"] is not None:
+            self.scaler.load_state_dict(ckpt["scaler"])
+        if self.ema is not None and ckpt["ema"] is not None:
+            self.ema.load_state_dict(ckpt["ema"])
+        self.step, self.epoch, self.epoch_offset = ckpt["step"], ckpt["epoch"], ckpt["epoch_sample_offset"]
+        best, counters = ckpt["best"], ckpt["counters"]
+        self.best_metric, self.best_step = best["metric"], best["step"]
+        self.best_metrics, self.bad_evaluations = dict(best["metrics"]), best["bad_evaluations"]
+        self.stopped_early = best["stopped_early"]
+        self.samples_seen, self.skipped_steps = counters["samples_seen"], counters["skipped_steps"]
+        self.scaler_skipped_steps = counters["scaler_skipped_steps"]
+        self.consecutive_nonfinite = counters["consecutive_nonfinite"]
+        self.last_train_loss, self.last_eval_step = counters["last_train_loss"], counters["last_eval_step"]
+        self.last_metrics = dict(counters["last_metrics"])
+        self.last_checkpoint_step = self.step
+        # Last: building the model and loaders above drew from the RNGs.
+        _set_rng_state(ckpt["rng"])
+        return int(self.step)
+
+    # -- the end ---------------------------------------------------------------------------
+    def _write_result_weights(self) -> None:
+        """``model.pt``: the best weights with early stopping, else the final ones (EMA if on).
+        ``self.model`` is left holding them."""
+        if self.options.early_stopping_patience is not None and self.best_step is not None and self.best_path.exists():
+            state = load_checkpoint(self.best_path, map_location=self.device)
+            self.last_metrics = dict(self.best_metrics)
+        else:
+            state = self._eval_state_dict()
+        self.model.load_state_dict(state)
+        save_checkpoint(state, self.model_path)
+
+    def _summary(self, wall_s: float, interrupted: bool, resumed_from: int | None) -> dict[str, Any]:
+        items = sum(n for n, _ in self._throughput)
+        seconds = sum(s for _, s in self._throughput)
+        peak = self._peak_memory()
+        predicted = self.options.predicted_peak_bytes
+        final_metrics: dict[str, float] = {}
+        if self.last_train_loss is not None:
+            final_metrics["train_loss"] = self.last_train_loss
+        final_metrics.update(self.last_metrics)
+        summary: dict[str, Any] = {
+            "task": self.task.name,
+            "config": self.config.to_dict(),
+            "options": self.options.to_dict(),
+            "device": str(self.device),
+            "torch": torch.__version__,
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "epochs_completed": self.epoch,
+            "samples_seen": self.samples_seen,
+            "wall_s": wall_s,
+            "samples_per_s": items / seconds if seconds > 0 else None,
+            "interrupted": interrupted,
+            "stop_signal": self._stop_signal,
+            "stopped_early": self.stopped_early,
+            "resumed_from_step": resumed_from,
+            "skipped_steps": self.skipped_steps,
+            "scaler_skipped_steps": self.scaler_skipped_steps,
+            "monitor": self.options.monitor,
+            "best_metric": self.best_metric,
+            "best_step": self.best_step,
+            "final_metrics": final_metrics,
+            "peak_memory_bytes": peak,
+            "predicted_peak_bytes": predicted,
+            "peak_over_predicted": peak / predicted if peak and predicted else None,
+            "model_path": str(self.model_path),
+            "checkpoint_path": str(self.checkpoint_path),
+            "metrics_path": str(self.metrics_path),
+        }
+        target = self.task.settings.get("target")
+        if isinstance(target, Mapping) and target.get("metric") in final_metrics and "value" in target:
+            value, goal = final_metrics[target["metric"]], float(target["value"])
+            lower_better = "loss" in str(target["metric"])
+            summary["target"] = {**dict(target), "reached": value <= goal if lower_better else value >= goal}
+        return summary
+
+    # -- small helpers ---------------------------------------------------------------------
+    def _to_device(self, batch: Batch) -> Batch:
+        if self.device.type == "cpu":
+            return batch
+        non_blocking = self.device.type == "cuda"  # the loader pins memory on CUDA
+        return tree_map(lambda t: t.to(self.device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, batch)
+
+    def _peak_memory(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.memory_guard is not None:
+            peak = getattr(self.memory_guard, "peak_bytes", None)
+            return int(peak) if peak is not None else None
+        return None
+
+    def _gpu_stats(self) -> dict[str, Any]:
+        """GPU utilisation and memory from NVML, on CUDA only; any failure turns it off."""
+        if self.device.type != "cuda" or self._nvml is False:
+            return {}
+        try:
+            if self._nvml is None:
+                import pynvml  # nvidia-ml-py; imported lazily: optional at run time
+
+                pynvml.nvmlInit()
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+            nv, handle = self._nvml
+            return {
+                "gpu_util_percent": nv.nvmlDeviceGetUtilizationRates(handle).gpu,
+                "gpu_memory_used_bytes": int(nv.nvmlDeviceGetMemoryInfo(handle).used),
+            }
+        except Exception:  # noqa: BLE001 - monitoring must never stop training
+            self._nvml = False
+            return {}
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self._metrics_file.write(json.dumps(_json_safe(record)) + "\n")
+        self._metrics_file.flush()
+
+    def _progress_bar(self) -> Any:
+        from tqdm.auto import tqdm
+
+        # disable=None lets tqdm hide the bar when stderr is not a terminal (CI logs, files).
+        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
+                    disable=None if self.options.progress else True)
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM set a flag; the loop checkpoints at the next window boundary and
+        returns. A second SIGINT stops at once (KeyboardInterrupt), as people expect of Ctrl-C."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_signal = signal.Signals(signum).name
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Module helpers
+# ----------------------------------------------------------------------------------------------
+
+def _logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default loss's view of a batch: ``model(inputs)`` and targets, ``(B, T, V)`` outputs
+    flattened to ``(B*T, V)`` as ``estimators._task.default_loss`` does. Class dim is 1."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ModelFileError(
+            "the default loss needs batches of (inputs, targets); define "
+            "`def loss(model, batch): ...` in the model file for other batch layouts"
+        )
+    inputs, targets = batch
+    out = model(inputs)
+    if out.dim() >= 3 and targets.dim() == out.dim() - 1 and tuple(targets.shape) == tuple(out.shape[:-1]):
+        out, targets = out.flatten(0, -2), targets.flatten()
+    return out, targets
+
+
+def _batch_len(batch: Batch) -> int:
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+def _all_finite(model: nn.Module) -> bool:
+    flags = [torch.isfinite(p).all() for p in model.parameters() if p.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every global RNG the model can draw from, as plain data (loadable with weights_only)."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    n = state["numpy"]
+    np.random.set_state({
+        "bit_generator": n["bit_generator"],
+        "state": {"key": n["key"].cpu().numpy().astype(np.uint32), "pos": n["pos"]},
+        "has_gauss": n["has_gauss"], "gauss": n["gauss"],
+    })
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf as the strings "nan"/"inf" (JSON has no such numbers; strict readers reject them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(_json_safe(data), indent=2, default=str) + "\n")
+    os.replace(tmp, path)
