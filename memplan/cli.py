@@ -66,7 +66,156 @@ class EstimateCommand:
         return 0
 
 
-_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(),)}
+class ProbeCommand:
+    """Measure one configuration with a few real steps in an isolated process."""
+
+    name = "probe"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        _add_config_args(p)
+        p.add_argument("--steps", default="5", help="measured steps after warm-up (default 5)")
+        p.add_argument("--vram", default=None, help="memory budget enforced during the probe")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from estimators import parse_size, resolve_target
+        from estimators._probe import probe
+        config = _config_from(args)
+        if args.gpu is not None:
+            from estimators import ConfigError
+            raise ConfigError("a probe measures the device at hand; drop --gpu (use memplan estimate --gpu to plan for another card)")
+        device, _spec = resolve_target(args.device, None)
+        task = load_task(args.model)
+        budget = parse_size(args.vram, what="--vram") if args.vram else None
+        result = probe(task, config, device=device, steps=parse_count(args.steps, what="--steps"), budget_bytes=budget)
+        if args.json:
+            out = result.estimate.to_dict() if result.estimate is not None else {"method": "measured", "config": config.to_dict()}
+            out.update(status=result.status, message=result.message, overhead_s=result.overhead_s)
+            print(json.dumps(out, indent=2))
+        elif result.estimate is not None:
+            print(estimate_table(result.estimate))
+            print(f"status {result.status}; probe overhead {result.overhead_s:.2f} s")
+        else:
+            print(f"status {result.status}: {result.message}")
+        return 0 if result.status == "ok" else 1
+
+
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model file (defines model(), train_data(), …)")
+    p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
+    p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="target device type")
+    p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
+    p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
+    p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
+    p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
+
+
+def _search_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        vram=args.vram, gpu=args.gpu, device=args.device,
+        global_batch=parse_count(args.global_batch, what="--global-batch") if args.global_batch else None,
+        trials=parse_count(args.trials, what="--trials"),
+        probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
+        seed=parse_count(args.seed, what="--seed", minimum=0),
+        storage=args.storage,
+    )
+
+
+class PlanCommand:
+    """Search the configurations that fit the budget and print them ranked."""
+
+    name = "plan"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        _add_search_args(p)
+        p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+        p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._search import search
+        plan = search(args.model, progress=not args.json and sys.stderr.isatty(), **_search_kwargs(args))
+        if args.out:
+            plan.save(args.out)
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
+        return 0
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--epochs", default=None, help="passes over the training data")
+    p.add_argument("--max-steps", default=None, help="optimizer steps")
+    p.add_argument("--lr", default=None, help="peak learning rate")
+    p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _train_options(args: argparse.Namespace, device: str):
+    from pathlib import Path
+    from ._trainer import TrainOptions
+    from estimators import ConfigError
+    lr = None
+    if args.lr is not None:
+        try:
+            lr = float(args.lr)
+        except ValueError:
+            raise ConfigError(f"--lr must be a number such as 3e-4, got {args.lr!r}") from None
+    return TrainOptions(
+        epochs=parse_count(args.epochs, what="--epochs") if args.epochs else None,
+        max_steps=parse_count(args.max_steps, what="--max-steps") if args.max_steps else None,
+        lr=lr, out_dir=Path(args.out), resume=args.resume, device=device,
+        progress=not args.no_progress,
+    )
+
+
+def _print_result(result) -> None:
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in result.final_metrics.items())
+    state = "interrupted; resume with --resume" if result.interrupted else "done"
+    print(f"{state}: {result.steps} steps in {result.wall_s:.1f} s; {metrics}; written to {result.out_dir}")
+
+
+class FitCommand:
+    """Search the configurations, print the plan, then train the best one."""
+
+    name = "fit"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        _add_search_args(p)
+        _add_train_args(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._fit import train_plan
+        from ._search import resolve_task, search
+        task = resolve_task(args.model)
+        plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args))
+        print(plan.table())
+        result = train_plan(task, plan, _train_options(args, plan.device))
+        _print_result(result)
+        return 0
+
+
+class TrainCommand:
+    """Train a saved plan without searching."""
+
+    name = "train"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", help="model file")
+        p.add_argument("--plan", required=True, help="plan.json written by memplan plan --out")
+        p.add_argument("--vram", default=None, help="budget to enforce (default: the plan's)")
+        _add_train_args(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._fit import train_plan
+        from ._plan import Plan
+        task = load_task(args.model)
+        plan = Plan.load(args.plan)
+        result = train_plan(task, plan, _train_options(args, plan.device), vram=args.vram)
+        _print_result(result)
+        return 0
+
+
+_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand())}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,3 +83,30 @@ def test_bad_options_get_one_line_and_exit_2(argv, expected, write_model, capsys
 def test_missing_file(capsys):
     code, _, err = run_cli(capsys, "estimate", "/nonexistent/model.py", "-b", "2")
     assert code == 2 and "not found" in err
+
+
+def test_probe_json_is_measured(write_model, capsys, monkeypatch, tmp_path):
+    path = write_model(GOOD)
+    code, out, err = run_cli(capsys, "probe", path, "-b", "4", "--steps", "2", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "measured" and data["status"] == "ok"
+    assert data["peak_allocated_bytes"] > (8 * 16 + 16 + 16 * 3 + 3) * 4 and data["step_time_s"] > 0
+
+
+def test_plan_json_and_impossible_budget(write_model, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    path = write_model(GOOD)
+    out_file = tmp_path / "plan.json"
+    code, out, err = run_cli(capsys, "plan", path, "--vram", "1GB", "--global-batch", "8", "--probe-top", "0",
+                             "--json", "--out", str(out_file))
+    assert code == 0, err
+    data = json.loads(out)
+    config = data["entries"][0]["config"]
+    assert set(config) >= {"micro_batch_size", "grad_accum_steps", "precision", "checkpoint_segments", "strategy", "world_size"}
+    assert config["micro_batch_size"] * config["grad_accum_steps"] == 8
+    assert json.loads(out_file.read_text()) == data
+    code, _, err = run_cli(capsys, "plan", path, "--vram", "1kB", "--global-batch", "8", "--probe-top", "0")
+    assert code == 2 and err.startswith("memplan: nothing fits in 1.00 kB") and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "plan", path, "--vram", "12G")
+    assert code == 2 and "cannot read '12G'" in err

@@ -1,0 +1,206 @@
+"""The plan: the chosen configuration, its runners-up, and why.
+
+A ``Plan`` is frozen, round-trips through JSON (``save``/``load``), prints as a table, and
+carries the *ladder* that OOM recovery steps down: configurations with the same global batch
+and strictly less predicted memory, each the fastest of what is left below the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from tabulate import tabulate
+
+from estimators import ConfigError, Estimate, TrainConfig, format_size
+
+__all__ = ["PlanEntry", "Plan", "provenance"]
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanEntry:
+    """One configuration with its predicted and (when probed) measured figures."""
+
+    config: TrainConfig
+    predicted: Estimate
+    measured: Estimate | None = None
+    probe_status: str | None = None
+    """ok | oom | error | timeout, when a probe ran."""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The memory figure the budget is held against: measured when there is one."""
+        source = self.measured if self.measured is not None else self.predicted
+        return source.peak_bytes + source.context_bytes
+
+    @property
+    def samples_per_s(self) -> float:
+        source = self.measured if (self.measured is not None and self.measured.samples_per_s) else self.predicted
+        return float(source.samples_per_s or 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "predicted": self.predicted.to_dict(),
+            "measured": self.measured.to_dict() if self.measured else None,
+            "probe_status": self.probe_status,
+            "peak_bytes": self.peak_bytes,
+            "samples_per_s": self.samples_per_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanEntry:
+        return cls(
+            config=TrainConfig.from_dict(data["config"]),
+            predicted=Estimate.from_dict(data["predicted"]),
+            measured=Estimate.from_dict(data["measured"]) if data.get("measured") else None,
+            probe_status=data.get("probe_status"),
+        )
+
+
+def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None) -> dict[str, Any]:
+    from . import __version__
+    return {
+        "memplan": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+        "gpu": gpu,
+        "model_file": source_path,
+        "model_file_sha256_16": source_hash,
+        "host": platform.node(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The ranked result of a search: ``entries[0]`` is the chosen configuration."""
+
+    entries: tuple[PlanEntry, ...]
+    budget_bytes: int
+    margin: float
+    device: str
+    gpu: str | None
+    global_batch: int | None
+    trials: int
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ConfigError("a Plan needs at least one feasible configuration")
+
+    @property
+    def best(self) -> PlanEntry:
+        return self.entries[0]
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.best.config
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.best.peak_bytes
+
+    def ladder(self, start: TrainConfig | None = None) -> list[PlanEntry]:
+        """Configurations to step down to after an OOM at ``start`` (default: the best).
+
+        Same global batch; each rung needs strictly less memory than the one above and is
+        the fastest such configuration.
+        """
+        current = start or self.best.config
+        above = next((e for e in self.entries if e.config == current), self.best)
+        rungs: list[PlanEntry] = []
+        limit = above.peak_bytes
+        candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current]
+        while True:
+            lower = [e for e in candidates if e.peak_bytes < limit and e not in rungs]
+            if not lower:
+                return rungs
+            nxt = max(lower, key=lambda e: (e.samples_per_s, -e.peak_bytes))
+            rungs.append(nxt)
+            limit = nxt.peak_bytes
+
+    # -- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "budget_bytes": self.budget_bytes,
+            "margin": self.margin,
+            "device": self.device,
+            "gpu": self.gpu,
+            "global_batch": self.global_batch,
+            "trials": self.trials,
+            "headroom_bytes": self.headroom_bytes,
+            "provenance": dict(self.provenance),
+            "notes": list(self.notes),
+            "entries": [e.to_dict() for e in self.entries],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ConfigError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}; re-run memplan plan")
+        return cls(
+            entries=tuple(PlanEntry.from_dict(e) for e in data["entries"]),
+            budget_bytes=int(data["budget_bytes"]),
+            margin=float(data["margin"]),
+            device=data["device"],
+            gpu=data.get("gpu"),
+            global_batch=data.get("global_batch"),
+            trials=int(data.get("trials", 0)),
+            provenance=dict(data.get("provenance", {})),
+            notes=tuple(data.get("notes", ())),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, p)
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"plan file {str(path)!r} not found; create one with memplan plan MODEL.py --out plan.json") from None
+        except ValueError as exc:
+            raise ConfigError(f"plan file {str(path)!r} is not valid JSON ({exc}); re-create it with memplan plan") from None
+        return cls.from_dict(data)
+
+    # -- display -----------------------------------------------------------------------
+    def table(self, limit: int = 10) -> str:
+        rows = []
+        for rank, e in enumerate(self.entries[:limit], 1):
+            c = e.config
+            rows.append([
+                rank, c.micro_batch_size, c.grad_accum_steps, c.precision, c.checkpoint_segments,
+                f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
+                format_size(e.peak_bytes), f"{e.samples_per_s:,.1f}",
+                "measured" if e.measured is not None else ("modelled" if e.predicted.modelled else "predicted"),
+            ])
+        target = self.gpu or self.device
+        head = (
+            f"plan for {target}, budget {format_size(self.budget_bytes)} "
+            f"(margin {self.margin:.0%}), headroom {format_size(self.headroom_bytes)}; "
+            f"{len(self.entries)} feasible of {self.trials} configurations tried"
+        )
+        table = tabulate(
+            rows,
+            headers=["#", "micro", "accum", "precision", "ckpt", "strategy", "peak", "samples/s", "source"],
+            tablefmt="simple",
+        )
+        return "\n".join([head, table, *(f"note: {n}" for n in self.notes)])

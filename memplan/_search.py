@@ -1,0 +1,331 @@
+"""``memplan.search``: the fastest configuration that fits the memory budget.
+
+An Optuna study over the space. Every trial gets the static estimate (cached per
+configuration: a resumed or repeated configuration is never re-estimated); the budget is a
+constraint (``trial.set_constraint``, ≤ 0 feasible) with a safety margin, so an infeasible
+configuration is a *completed* infeasible trial the sampler learns from, never a FAIL. When
+the space is small the study enumerates it (``BruteForceSampler``), else a seeded TPE sampler
+explores it. Afterwards the best few feasible configurations are probed on the real device
+(when planning for the device at hand): probes refit the time model, an OOM marks the
+configuration infeasible, and the final ranking prefers measured figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import optuna
+import torch
+import torch.nn as nn
+
+from estimators import (
+    ConfigError, Estimate, Estimator, NoFeasiblePlanError, Task, TrainConfig, format_size,
+    load_task, parse_size,
+)
+from estimators._checkpoint import max_checkpoint_segments
+from estimators._config import Precision
+
+from ._plan import Plan, PlanEntry, provenance
+from ._space import SearchSpace, build_space
+
+__all__ = ["search", "resolve_task", "estimator_for", "default_budget", "default_storage"]
+
+ProbeFn = Callable[[Task, TrainConfig, int], Any]
+
+
+_ESTIMATORS: "weakref.WeakKeyDictionary[Task, dict[tuple[str | None, str | None], Estimator]]" = weakref.WeakKeyDictionary()
+
+
+def estimator_for(task: Task, *, device: str | None, gpu: str | None) -> Estimator:
+    """One estimator per task and target, kept while the task lives: searching the same task
+    again (another budget, another global batch) reuses its traces."""
+    per_task = _ESTIMATORS.setdefault(task, {})
+    key = (device, gpu)
+    if key not in per_task:
+        per_task[key] = Estimator(task, device=device, gpu=gpu)
+    return per_task[key]
+
+
+def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any = None) -> Task:
+    if isinstance(model, Task):
+        return model
+    if isinstance(model, nn.Module):
+        if sample is None:
+            raise ConfigError("search(module) needs sample=: a batch, or a callable batch_size -> batch")
+        return Task.from_module(model, sample)
+    return load_task(model)
+
+
+def default_budget(estimator: Estimator) -> tuple[int, str]:
+    """The budget when --vram is not given, and where it came from."""
+    if estimator.device == "cuda":
+        if torch.cuda.is_available() and estimator.spec is not None and estimator.spec.from_table is False or (
+            torch.cuda.is_available() and estimator.spec is not None and _local_matches(estimator)
+        ):
+            free, _total = torch.cuda.mem_get_info()
+            return int(free), "free memory of the local GPU"
+        assert estimator.spec is not None
+        return estimator.spec.memory_bytes, f"memory of {estimator.spec.name}"
+    # CPU: half of what the machine has available now, so the OS and other work keep room.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2, "half of the available RAM"
+    except OSError:
+        pass
+    return 8 * 10**9, "a default of 8 GB"
+
+
+def _local_matches(estimator: Estimator) -> bool:
+    from estimators import detect_local_gpu
+    local = detect_local_gpu()
+    return local is not None and estimator.spec is not None and local.name == estimator.spec.name
+
+
+def default_storage() -> str:
+    root = os.environ.get("MEMPLAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "memplan")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{os.path.join(root, 'studies.db')}"
+
+
+def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Precision, ...]:
+    if estimator.device == "cuda":
+        supported: list[Precision] = ["fp32", "fp16-mixed"]
+        if estimator.spec is not None and estimator.spec.bf16:
+            supported.append("bf16-mixed")
+    else:
+        # fp16 autocast runs ~50x slower than bf16 on CPUs: never the fastest, so not searched.
+        supported = ["fp32", "bf16-mixed"]
+    if wanted is None:
+        return tuple(supported)
+    from estimators import normalize_precision
+    chosen = tuple(normalize_precision(p) for p in wanted)
+    refused = [p for p in chosen if p not in supported]
+    if refused:
+        raise ConfigError(f"precision {', '.join(refused)} is not available on {estimator.spec.name if estimator.spec else estimator.device}; choose from {', '.join(supported)}")
+    return chosen
+
+
+def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace) -> str:
+    key = "|".join(str(x) for x in (
+        task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
+        budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
+        space.checkpoint_segments, torch.__version__,
+    ))
+    return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def search(
+    model: Task | str | os.PathLike[str] | nn.Module,
+    *,
+    vram: int | str | None = None,
+    sample: Any = None,
+    global_batch: int | None = None,
+    device: str | None = None,
+    gpu: str | None = None,
+    trials: int = 60,
+    probe_top: int = 3,
+    seed: int | None = 0,
+    storage: str | None = None,
+    margin: float = 0.10,
+    precisions: Sequence[str] | None = None,
+    max_micro_batch: int | None = None,
+    progress: bool = False,
+    probe_fn: ProbeFn | None = None,
+) -> Plan:
+    """Search the configuration space and return the ranked :class:`Plan`.
+
+    ``model`` is a model-file path, a :class:`Task`, or an ``nn.Module`` with ``sample``.
+    ``vram`` is the memory budget (``"12GB"``, ``"12GiB"`` or bytes); by default the free
+    memory of the local GPU, the card's memory for ``gpu=``, or half the available RAM on CPU.
+    ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
+    with real steps when the target is the device at hand (not for a ``gpu=`` card that is
+    absent). Raises :class:`NoFeasiblePlanError` when nothing fits.
+
+    >>> plan = search("examples/digits.py", vram="1GB", trials=20)   # doctest: +SKIP
+    >>> plan.config.micro_batch_size                                  # doctest: +SKIP
+    64
+    """
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {margin}")
+    if trials < 1:
+        raise ConfigError(f"--trials must be >= 1, got {trials}")
+    task = resolve_task(model, sample)
+    estimator = estimator_for(task, device=device, gpu=gpu)
+    if vram is None:
+        budget, _source = default_budget(estimator)
+    else:
+        budget = parse_size(vram, what="--vram")
+        if budget <= 0:
+            raise ConfigError("--vram must be more than 0 bytes; e.g. --vram 12GB")
+    limit = int(budget * (1 - margin))
+    fixed_batch = global_batch if global_batch is not None else task.settings.get("global_batch")
+    blocks_model = _meta_model(task)
+    space = build_space(
+        dataset_size=task.dataset_size() if task.train_data is not None else None,
+        global_batch=int(fixed_batch) if fixed_batch is not None else None,
+        precisions=_precisions(estimator, precisions),
+        max_segments=max_checkpoint_segments(blocks_model, task.checkpoint_blocks),
+        max_micro_batch=max_micro_batch,
+    )
+
+    cache: dict[TrainConfig, Estimate] = {}
+
+    def evaluate(config: TrainConfig) -> Estimate:
+        if config not in cache:
+            cache[config] = estimator.estimate(config)
+        return cache[config]
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    exhaustive = len(space) <= trials
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler: optuna.samplers.BaseSampler = (
+            optuna.samplers.BruteForceSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)
+        )
+        study = optuna.create_study(
+            study_name=_study_name(task, estimator, budget, margin, space),
+            storage=storage or default_storage(),
+            sampler=sampler,
+            direction="maximize",
+            load_if_exists=True,
+        )
+    # A resumed study's trials answer their configurations without re-estimating.
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        if "estimate" in t.user_attrs:
+            est = Estimate.from_dict(t.user_attrs["estimate"])
+            cache.setdefault(est.config, est)
+    done = {est.config for est in cache.values()}
+    for corner in space.smallest():
+        if corner not in done:
+            study.enqueue_trial({"micro_batch_size": corner.micro_batch_size, "precision": corner.precision,
+                                 "checkpoint_segments": corner.checkpoint_segments}, skip_if_exists=True)
+
+    def objective(trial: optuna.Trial) -> float:
+        micro = trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes))
+        precision = trial.suggest_categorical("precision", list(space.precisions))
+        segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
+        config = space.config(int(micro), str(precision), int(segments))
+        est = evaluate(config)
+        need = est.peak_bytes + est.context_bytes
+        trial.set_user_attr("estimate", est.to_dict())
+        # Constraint in GB keeps the numbers readable in optuna-dashboard; <= 0 is feasible.
+        trial.set_constraint("memory", (need - limit) / 1e9)
+        return float(est.samples_per_s or 0.0)
+
+    remaining = max(0, min(trials, len(space)) - len([c for c in done if c in set(space)]))
+    interrupted = False
+    if remaining:
+        try:
+            study.optimize(objective, n_trials=remaining, show_progress_bar=progress, catch=())
+        except KeyboardInterrupt:
+            interrupted = True  # completed trials are in the storage; plan from them
+
+    estimates = [e for c, e in cache.items() if c in set(space)]
+    feasible = [e for e in estimates if e.peak_bytes + e.context_bytes <= limit]
+    if not feasible:
+        raise _no_fit(estimates, budget, limit, estimator)
+    feasible.sort(key=lambda e: -(e.samples_per_s or 0.0))
+    entries = [PlanEntry(config=e.config, predicted=e) for e in feasible]
+    notes: list[str] = []
+    if interrupted:
+        notes.append("search interrupted; plan built from the trials completed so far")
+    if probe_top > 0 and _can_probe(estimator, gpu):
+        entries, probe_notes = _probe_best(task, estimator, entries, probe_top, limit, probe_fn)
+        notes.extend(probe_notes)
+        if not entries:
+            raise _no_fit(estimates, budget, limit, estimator, measured=True)
+    return Plan(
+        entries=tuple(entries),
+        budget_bytes=budget,
+        margin=margin,
+        device=estimator.device,
+        gpu=estimator.spec.name if estimator.spec else None,
+        global_batch=space.global_batch,
+        trials=len(estimates),
+        provenance=provenance(device=estimator.device, gpu=estimator.spec.name if estimator.spec else None,
+                              source_hash=task.source_hash, source_path=task.source_path),
+        notes=tuple(notes),
+    )
+
+
+def _meta_model(task: Task) -> nn.Module:
+    if task.prebuilt is not None:
+        return task.prebuilt
+    try:
+        with torch.device("meta"):
+            return task.build_model()
+    except Exception:  # noqa: BLE001 - some models only build for real
+        return task.build_model()
+
+
+def _can_probe(estimator: Estimator, gpu: str | None) -> bool:
+    if estimator.device == "cpu":
+        return True
+    return torch.cuda.is_available() and (gpu is None or _local_matches(estimator))
+
+
+def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: int, limit: int,
+                probe_fn: ProbeFn | None) -> tuple[list[PlanEntry], list[str]]:
+    """Measure the best ``top`` feasible configurations; re-rank with what was measured."""
+    if probe_fn is None:
+        from estimators._probe import probe as real_probe
+
+        def probe_fn(t: Task, c: TrainConfig, budget: int) -> Any:
+            return real_probe(t, c, device=estimator.device, budget_bytes=budget)
+    notes: list[str] = []
+    probed: list[PlanEntry] = []
+    rest = list(entries)
+    while rest and len(probed) < top:
+        entry = rest.pop(0)
+        result = probe_fn(task, entry.config, limit)
+        status = getattr(result, "status", "error")
+        if status == "ok" and result.estimate is not None:
+            measured: Estimate = result.estimate
+            if measured.step_time_s:
+                estimator.calibrate(entry.config, measured.step_time_s)
+            if measured.peak_bytes + measured.context_bytes > limit:
+                notes.append(f"{entry.config.describe()}: measured {format_size(measured.peak_bytes)} is over the budget; dropped")
+                continue
+            probed.append(PlanEntry(config=entry.config, predicted=entry.predicted, measured=measured, probe_status="ok"))
+        elif status == "oom":
+            notes.append(f"{entry.config.describe()}: ran out of memory when probed; dropped")
+        else:
+            notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
+            rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
+            break
+    # Unprobed configurations get the time model refitted by the probes.
+    refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
+    measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
+    best_measured = measured_sorted[0].samples_per_s if measured_sorted else 0.0
+    # Measured figures come first; an unmeasured configuration ranks above them only if its
+    # (calibrated) prediction beats the best measurement.
+    ahead = [e for e in refreshed if e.samples_per_s > best_measured and not measured_sorted]
+    behind = [e for e in refreshed if e not in ahead]
+    ranking = ahead + measured_sorted + sorted(behind, key=lambda e: -e.samples_per_s)
+    return ranking, notes
+
+
+def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:
+    nearest = min(estimates, key=lambda e: e.peak_bytes + e.context_bytes)
+    need = nearest.peak_bytes + nearest.context_bytes
+    parts = sorted(nearest.breakdown.items(), key=lambda kv: -kv[1])
+    detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts if v > 0)
+    if nearest.context_bytes:
+        detail += f", CUDA context {format_size(nearest.context_bytes)}"
+    card = math.ceil(need / (1 - (1 - limit / budget)) / 1e9)
+    hints = [f"a card with >= {card} GB" if estimator.device == "cuda" else f"--vram {card}GB or more",
+             "FSDP over 2 GPUs", "a smaller model"]
+    what = "nothing fits" if not measured else "nothing that was probed fits"
+    return NoFeasiblePlanError(
+        f"{what} in {format_size(budget)} (keeping {format_size(budget - limit)} free); the smallest plan "
+        f"({nearest.config.describe()}) needs {format_size(need)}: {detail} — try {', '.join(hints)}",
+        nearest=nearest, needed_bytes=need, budget_bytes=budget,
+    )

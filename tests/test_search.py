@@ -1,0 +1,122 @@
+"""Search and plan: fixed global batch, precision filtering, the margin, resumed studies,
+NoFeasiblePlanError and the plan's JSON round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from estimators import NoFeasiblePlanError, Task, TrainConfig
+from memplan import Plan, search
+from memplan._space import build_space
+
+from test_estimator import TinyLM, lm_task  # noqa: E402
+
+# One task for the module: searches of the same task share its traces, as in the product.
+_LM = Task(name="lm2", build_model=lambda: TinyLM(layers=2), sample_fn=lm_task().sample_fn)
+
+
+def lm() -> Task:
+    return _LM
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+
+
+def mlp_task() -> Task:
+    return Task(name="mlp", build_model=lambda: nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)),
+                sample_fn=lambda b: (torch.randn(b, 16), torch.randint(0, 4, (b,))))
+
+
+def test_space_keeps_the_global_batch_fixed():
+    space = build_space(dataset_size=1000, global_batch=24, precisions=("fp32",), max_segments=2)
+    assert space.micro_batch_sizes == (1, 2, 3, 4, 6, 8, 12, 24)
+    assert all(c.global_batch == 24 for c in space)
+    assert space.checkpoint_segments == (0, 1, 2)
+    free = build_space(dataset_size=100, global_batch=None, precisions=("fp32",), max_segments=0)
+    assert free.micro_batch_sizes == (1, 2, 4, 8, 16, 32, 64)  # capped by the dataset
+
+
+def test_plan_respects_budget_margin_and_global_batch(tmp_path):
+    task = lm()
+    plan = search(task, vram="1GB", global_batch=8, trials=40, probe_top=0, device="cpu")
+    assert all(e.config.global_batch == 8 for e in plan.entries)
+    limit = plan.budget_bytes * (1 - plan.margin)
+    assert all(e.peak_bytes <= limit for e in plan.entries)
+    speeds = [e.samples_per_s for e in plan.entries]
+    assert speeds == sorted(speeds, reverse=True)
+    # A budget just under the best plan's need (with the margin) excludes it.
+    tight = int(plan.best.peak_bytes / (1 - plan.margin)) - 1
+    plan2 = search(task, vram=tight, global_batch=8, trials=40, probe_top=0, device="cpu")
+    assert plan.best.config not in [e.config for e in plan2.entries]
+    assert all(e.peak_bytes <= tight * (1 - plan2.margin) for e in plan2.entries)
+
+
+def test_precision_filtered_by_device():
+    plan = search(lm(), vram="80GB", gpu="V100-32GB", global_batch=2, trials=200, probe_top=0)
+    assert {e.config.precision for e in plan.entries} == {"fp32", "fp16-mixed"}
+    plan = search(lm(), vram="80GB", gpu="A100-80GB", global_batch=2, trials=200, probe_top=0)
+    assert "bf16-mixed" in {e.config.precision for e in plan.entries}
+    cpu = search(lm(), vram="1GB", device="cpu", global_batch=4, trials=200, probe_top=0)
+    assert "fp16-mixed" not in {e.config.precision for e in cpu.entries}
+
+
+def test_no_feasible_plan_names_the_nearest_miss_and_the_fix():
+    with pytest.raises(NoFeasiblePlanError) as info:
+        search(lm(), vram="100kB", device="cpu", global_batch=4, probe_top=0)
+    message = str(info.value)
+    assert message.startswith("nothing fits in 100 kB")
+    assert "the smallest plan (micro-batch 1" in message and "params" in message and "try" in message
+    assert info.value.needed_bytes > 100_000
+
+
+def test_resumed_study_reuses_its_trials(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=0, storage=storage)
+    import optuna
+    summaries = optuna.get_all_study_summaries(storage)
+    assert len(summaries) == 1 and summaries[0].n_trials == first.trials
+    again = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=0, storage=storage)
+    assert optuna.get_all_study_summaries(storage)[0].n_trials == first.trials  # nothing re-run
+    assert again.config == first.config
+
+
+def test_same_seed_same_plan_with_sampling(tmp_path):
+    kwargs = dict(vram="80GB", gpu="A100-80GB", trials=6, probe_top=0, seed=3)
+    a = search(lm(), storage=f"sqlite:///{tmp_path / 'a.db'}", **kwargs)
+    b = search(lm(), storage=f"sqlite:///{tmp_path / 'b.db'}", **kwargs)
+    assert [e.config for e in a.entries] == [e.config for e in b.entries]
+
+
+def test_plan_json_round_trip_and_ladder(tmp_path):
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=0)
+    path = plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded.to_dict() == plan.to_dict()
+    ladder = plan.ladder()
+    peaks = [plan.best.peak_bytes] + [e.peak_bytes for e in ladder]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert all(e.config.global_batch == 8 for e in ladder)
+    assert "micro" in plan.table()
+
+
+def test_probes_rank_measured_first_and_drop_ooms():
+    from estimators._probe import ProbeResult
+    calls = []
+
+    def fake_probe(task, config: TrainConfig, budget: int):
+        calls.append(config)
+        if len(calls) == 1:
+            return ProbeResult(status="oom", estimate=None, message="guard", overhead_s=0.0, wall_s=0.0)
+        from estimators import Estimator
+        est = Estimator(task, device="cpu").estimate(config)
+        from dataclasses import replace
+        return ProbeResult(status="ok", estimate=replace(est, method="measured"), message="", overhead_s=0.0, wall_s=0.0)
+
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, probe_fn=fake_probe)
+    assert calls[0] not in [e.config for e in plan.entries]  # the OOM is dropped
+    assert plan.best.measured is not None and plan.best.config == calls[1]
+    assert any("ran out of memory" in n for n in plan.notes)
