@@ -160,6 +160,7 @@ class Estimator:
         self._lock = threading.RLock()
         self._params: tuple[int, int] | None = None
         self._workspace_fits: dict[Any, Any] = {}
+        self._affine: bool | None = None  # are allocation sizes affine in the batch size?
         self._rates: DeviceRates | None = None
         self._calibration = TimeCalibration()
 
@@ -217,47 +218,72 @@ class Estimator:
         return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu")
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
-        """Per-op CPU workspace bytes for ``trace``: measured when the trace was a real,
-        profiled run; else fitted (affine in the batch size) from real profiled runs at
-        small batch sizes whose ops line up with the trace's."""
+        """Per-op CPU workspace bytes for ``trace``.
+
+        Measured directly when the trace was a real, profiled run. Otherwise taken from real,
+        profiled one-micro-batch runs at two small batch sizes: each phase kind (forward,
+        backward, optimizer) of the trace is aligned with the same kind of the real run, and
+        matched ops get their measured workspace, fitted affine in the batch size. One pair
+        of real runs thus serves every accumulation setting of a precision and checkpointing.
+        """
         if trace.op_workspace is not None:
             return trace.op_workspace, None
-        key = self._shape_key(trace.config)
+        key = (trace.config.precision, trace.config.checkpoint_segments)
         with self._lock:
             if key not in self._workspace_fits:
-                fit = None
-                try:
-                    runs = [trace_step(self.task, trace.config, batch_size=a, real=True, profile=True)
-                            for a in WORKSPACE_ANCHORS]
-                    names = [_significant_names(r) for r in runs]
-                    if names[0] == names[1] and runs[0].op_workspace and runs[1].op_workspace:
-                        (a0, a1), (w0, w1) = WORKSPACE_ANCHORS, (_significant_workspace(r) for r in runs)
-                        slope = (w1 - w0) / (a1 - a0)
-                        fit = (names[0], w0 - slope * a0, slope)
-                except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
-                    fit = None
-                self._workspace_fits[key] = fit
+                self._workspace_fits[key] = self._measure_workspace_fit(trace.config)
             fit = self._workspace_fits[key]
         if fit is None:
             return None, "kernel workspaces not measured (small-batch CPU runs failed)"
-        names, intercept, slope = fit
-        mine = _significant_names(trace)
-        # Fake and real runs can differ in a few ops (autograd accumulates a tied weight's
-        # gradient in place on one and out of place on the other); align the two sequences
-        # and give matched ops their measured workspace. A poor match means fake tensors took
-        # other kernels altogether (oneDNN RNNs decompose): then measure for real.
-        matcher = difflib.SequenceMatcher(None, names, mine, autojunk=False)
-        blocks = matcher.get_matching_blocks()
-        matched = sum(b.size for b in blocks)
-        if matched < 0.9 * max(len(names), len(mine), 1):
-            return None, _DIVERGED
-        ws = np.maximum(np.rint(intercept + slope * trace.batch_size), 0).astype(np.int64).tolist()
-        significant = _significant_indices(trace)
         full = [0] * len(trace.ops)
-        for block in blocks:
-            for k in range(block.size):
-                full[significant[block.b + k]] = ws[block.a + k]
+        matched = total = 0
+        for phase, indices in _ops_by_phase(trace).items():
+            kind = _phase_key(phase)
+            if kind not in fit:
+                if kind in ("forward", "backward"):
+                    total += len(indices)
+                continue
+            names, intercept, slope = fit[kind]
+            mine = [trace.ops[i].name for i in indices]
+            # Fake and real runs can differ in a few ops (autograd may accumulate a gradient
+            # in place on one and out of place on the other); align the two sequences.
+            blocks = difflib.SequenceMatcher(None, names, mine, autojunk=False).get_matching_blocks()
+            ws = np.maximum(np.rint(intercept + slope * trace.batch_size), 0).astype(np.int64).tolist()
+            for block in blocks:
+                for k in range(block.size):
+                    full[indices[block.b + k]] = ws[block.a + k]
+            matched += sum(b.size for b in blocks)
+            total += max(len(mine), len(names))
+        # A poor match means fake tensors took other kernels altogether (oneDNN RNNs
+        # decompose on fake tensors): then this model is measured for real.
+        if matched < 0.9 * max(total, 1):
+            return None, _DIVERGED
         return full, None
+
+    def _measure_workspace_fit(self, config: TrainConfig) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]] | None:
+        one = config.replace(grad_accum_steps=1)
+        try:
+            # One optimizer step of one micro-batch: every forward and backward kernel runs;
+            # optimizer steps allocate no scratch worth measuring (elementwise kernels).
+            runs = [trace_step(self.task, one, batch_size=a, real=True, profile=True, steps=1)
+                    for a in WORKSPACE_ANCHORS]
+        except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
+            return None
+        per_run = []
+        for run in runs:
+            assert run.op_workspace is not None
+            per_run.append({_phase_key(phase): ([run.ops[i].name for i in idx],
+                                                       np.asarray([run.op_workspace[i] for i in idx], dtype=np.float64))
+                            for phase, idx in _ops_by_phase(run).items()})
+        fit = {}
+        (a0, a1) = WORKSPACE_ANCHORS
+        for kind, (names, w0) in per_run[0].items():
+            other = per_run[1].get(kind)
+            if other is None or other[0] != names:
+                continue
+            slope = (other[1] - w0) / (a1 - a0)
+            fit[kind] = (names, w0 - slope * a0, slope)
+        return fit
 
     def _prepare(self, trace: Trace) -> _Prepared:
         notes: list[str] = []
@@ -346,26 +372,34 @@ class Estimator:
             if shape_key in self._scaling:
                 return self._scaling[shape_key]
             scaling: _Scaling | None = None
-            if not self._data_dependent:
+            if not self._data_dependent and self._affine is not False:
+                # The first configuration of a model checks affinity on three anchors; once
+                # the model has shown its sizes are affine in the batch (a property of the
+                # model, not of precision or checkpointing), two anchors fit the others.
+                anchors = ANCHORS if self._affine is None else (ANCHORS[0], ANCHORS[-1])
                 try:
-                    traces = [self._trace(config, a) for a in ANCHORS]
+                    traces = [self._trace(config, a) for a in anchors]
                 except Exception:  # noqa: BLE001 - small batches may be refused; trace each b
                     traces = []
                 if traces and all(t.method == "traced" for t in traces) and _aligned(traces):
-                    b0, b1, b2 = ANCHORS
-                    s0, s1, s2 = (t.alloc_bytes.astype(np.float64) for t in traces)
+                    b0, b2 = anchors[0], anchors[-1]
+                    s0, s2 = traces[0].alloc_bytes.astype(np.float64), traces[-1].alloc_bytes.astype(np.float64)
                     slope = (s2 - s0) / (b2 - b0)
                     intercept = s0 - slope * b0
-                    predicted_mid = intercept + slope * b1
-                    tensors = traces[0].alloc_category != int(Category.WORKSPACE)
-                    # Tensor sizes must be exactly affine; workspaces are fitted (kernels pick
-                    # algorithms by size, so they need not be).
-                    if np.array_equal(np.rint(predicted_mid[tensors]), s1[tensors]):
-                        scaling = _Scaling(ANCHORS[0], intercept, slope, traces[0])
+                    affine = True
+                    if len(anchors) == 3:
+                        b1, s1 = anchors[1], traces[1].alloc_bytes
+                        tensors = traces[0].alloc_category != int(Category.WORKSPACE)
+                        # Tensor sizes must be exactly affine (a contrastive loss's b x b
+                        # logits are not); workspaces are fitted, kernels pick algorithms by size.
+                        affine = np.array_equal(np.rint((intercept + slope * b1)[tensors]), s1[tensors])
+                        self._affine = affine
+                    if affine:
+                        scaling = _Scaling(anchors[0], intercept, slope, traces[0])
                         costs = [op_costs(t.ops) for t in traces]
-                        if costs[0].names == costs[2].names:
-                            f1 = (costs[2].flops - costs[0].flops) / (b2 - b0)
-                            m1 = (costs[2].bytes_moved - costs[0].bytes_moved) / (b2 - b0)
+                        if costs[0].names == costs[-1].names:
+                            f1 = (costs[-1].flops - costs[0].flops) / (b2 - b0)
+                            m1 = (costs[-1].bytes_moved - costs[0].bytes_moved) / (b2 - b0)
                             scaling.costs = (costs[0], costs[0].flops - f1 * b0, f1,
                                              costs[0].bytes_moved - m1 * b0, m1)
             self._scaling[shape_key] = scaling
@@ -429,17 +463,23 @@ class Estimator:
         return self._params
 
 
+def _phase_key(label: str) -> str:
+    """Forward and backward passes run the same kernels in every micro-batch; the first
+    optimizer step (which creates the state) differs from the later ones."""
+    kind = label.rsplit(" ", 1)[-1]
+    return kind if kind in ("forward", "backward") else f"{label.split(' ')[1]} {kind}"
+
+
+def _ops_by_phase(trace: Trace) -> dict[str, list[int]]:
+    """Indices of the significant ops of each phase ("step 1 micro 2 forward", …), in order."""
+    out: dict[str, list[int]] = {}
+    for i in _significant_indices(trace):
+        out.setdefault(trace.phase_labels[trace.ops[i].phase], []).append(i)
+    return out
+
+
 def _significant_indices(trace: Trace) -> list[int]:
     return [i for i, op in enumerate(trace.ops) if op.significant]
-
-
-def _significant_names(trace: Trace) -> list[str]:
-    return [trace.ops[i].name for i in _significant_indices(trace)]
-
-
-def _significant_workspace(trace: Trace) -> np.ndarray:
-    assert trace.op_workspace is not None
-    return np.asarray([trace.op_workspace[i] for i in _significant_indices(trace)], dtype=np.float64)
 
 
 def _aligned(traces: list[_Prepared]) -> bool:

@@ -30,7 +30,8 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
     plan_path = Path(options.out_dir) / "plan.json"
     plan.save(plan_path)
     options = _with(options, predicted_peak_bytes=plan.best.predicted.peak_bytes)
-    return train(task, plan.config, options, memory_guard=guard)
+    # The ladder: what OOM recovery steps down to (same global batch, less predicted memory).
+    return train(task, plan.config, options, memory_guard=guard, ladder=plan.ladder())
 
 
 def fit(

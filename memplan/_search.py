@@ -65,9 +65,7 @@ def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any =
 def default_budget(estimator: Estimator) -> tuple[int, str]:
     """The budget when --vram is not given, and where it came from."""
     if estimator.device == "cuda":
-        if torch.cuda.is_available() and estimator.spec is not None and estimator.spec.from_table is False or (
-            torch.cuda.is_available() and estimator.spec is not None and _local_matches(estimator)
-        ):
+        if torch.cuda.is_available() and _local_matches(estimator):
             free, _total = torch.cuda.mem_get_info()
             return int(free), "free memory of the local GPU"
         assert estimator.spec is not None

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import itertools
 import json
 import logging
@@ -64,7 +65,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -75,9 +76,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, TrainingError, format_size
 from estimators import _checkpoint, _precision
+from estimators._probe import is_oom_error
 from estimators._task import default_loss
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
+from ._recovery import RecoveryEvent, free_memory, restore_optimizer, restore_tensors, snapshot_optimizer, snapshot_tensors
 from ._schedules import SCHEDULES, LRSchedule, ScheduleName, make_schedule
 
 __all__ = ["TrainOptions", "TrainResult", "Trainer", "train", "epoch_permutation"]
@@ -234,13 +237,18 @@ def train(
     options: TrainOptions | None = None,
     *,
     memory_guard: ContextManager[Any] | None = None,
+    ladder: Sequence[Any] | None = None,
 ) -> TrainResult:
     """Train ``task`` with ``config``; see :class:`Trainer`.
+
+    ``ladder``: configurations to step down to after an out-of-memory error (``Plan.ladder()``'s
+    entries or ``TrainConfig``s; only those with ``config``'s global batch are used). Without
+    one, an OOM propagates.
 
     Example:
         >>> result = train(task, TrainConfig(micro_batch_size=8), TrainOptions(epochs=1))  # doctest: +SKIP
     """
-    return Trainer(task, config, options or TrainOptions(), memory_guard=memory_guard).run()
+    return Trainer(task, config, options or TrainOptions(), memory_guard=memory_guard, ladder=ladder).run()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,7 +381,8 @@ class Trainer:
     """
 
     def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *,
-                 memory_guard: ContextManager[Any] | None = None) -> None:
+                 memory_guard: ContextManager[Any] | None = None,
+                 ladder: Sequence[Any] | None = None) -> None:
         if config.strategy != "single" or config.world_size != 1:
             raise ConfigError(
                 f"the built-in trainer runs one device for now; got strategy {config.strategy!r} "
@@ -403,6 +412,13 @@ class Trainer:
         self.model_path = self.out_dir / "model.pt"
         self.metrics_path = options.metrics_path or self.out_dir / "metrics.jsonl"
         self._stop_signal: str | None = None
+        # OOM recovery: the rungs still below the running configuration, in order.
+        self.ladder: list[TrainConfig] = _ladder_configs(ladder, config)
+        self._recovering = ladder is not None  # without a ladder an OOM propagates
+        self._optimizer_undo: Any = None
+        self.recoveries: list[dict[str, Any]] = []
+        self._tried: list[TrainConfig] = [config]
+        self._phase = "setup"
 
     # -- the run, top to bottom ------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -411,6 +427,7 @@ class Trainer:
         self._setup_data()
         guard = self.memory_guard if self.memory_guard is not None else contextlib.nullcontext()
         with guard, self._stop_on_signals():
+            self._set_phase("setup")
             self._setup()
             resumed_from = self._resume() if self.options.resume else None
             self._metrics_file = open(self.metrics_path, "a" if resumed_from is not None else "w")
@@ -444,8 +461,14 @@ class Trainer:
         try:
             while self.step < self.total_steps and not self.stopped_early:
                 window, batches = next(windows)
-                outcome = self._run_window(window, batches, self.config)
+                recovered_before = len(self.recoveries)
+                outcome = self._run_window_recovering(window, batches)
+                del batches
                 self._after_window(window, outcome)
+                if len(self.recoveries) != recovered_before:
+                    # The windows ahead were cut for the old micro-batch: cut them anew from here.
+                    windows.close()
+                    windows = self._windows()
                 epoch_ended = self.epoch_offset == 0
                 if self._due(self.options.eval_every, epoch_ended) and self.val_loader is not None:
                     self._evaluate_and_track()
@@ -582,6 +605,9 @@ class Trainer:
             raise ModelFileError(f"{self.task.name}: val_data() returned {type(data).__name__}; return a map-style Dataset")
         if len(data) == 0:
             return None
+        return self._val_loader_for(data)
+
+    def _val_loader_for(self, data: Dataset) -> DataLoader:
         # Validation needs no gradients, so the training micro-batch always fits. Its own
         # generator: evaluating must not move anything the training data order depends on.
         return self._make_loader(data, batch_size=self.config.micro_batch_size, shuffle=False, drop_last=False,
@@ -636,11 +662,14 @@ class Trainer:
             # gradient exactly, also for a short last window or a short last micro-batch. With
             # full micro-batches this is the usual loss / grad_accum_steps.
             weight = len(indices) / window.n_items
+            self._set_phase("forward")
             with _precision.forward_context(config.precision, self.device.type):
                 loss = self._loss_fn(self.forward_model, batch) * weight
+            self._set_phase("backward")
             _precision.backward(loss, self.scaler)
             window_loss += loss.detach().float()
             del batch, loss  # free the batch and the graph now, as the estimate assumes
+        self._set_phase("optimizer")
 
         loss_value = float(window_loss)  # waits for the device once per step; the log needs it anyway
         if not math.isfinite(loss_value):
@@ -649,6 +678,11 @@ class Trainer:
             return _WindowOutcome(loss_value, applied=False, nonfinite=True, seconds=time.perf_counter() - t0)
 
         grad_norm = None
+        if self._recovering:
+            # An OOM inside the optimizer step may leave it half applied (AdamW updates its
+            # moments in place before it allocates its temporaries): keep an undo copy in host
+            # memory so that the window can be replayed from its start.
+            self._optimizer_undo = snapshot_optimizer(self.model, self.optimizer, self.scaler)
         if self.options.grad_clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
@@ -660,9 +694,149 @@ class Trainer:
                 return _WindowOutcome(loss_value, applied=False, nonfinite=True, grad_norm=grad_norm,
                                       seconds=time.perf_counter() - t0)
         applied = _precision.optimizer_step(self.optimizer, self.scaler)
+        self._optimizer_undo = None
         self.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next backward
         return _WindowOutcome(loss_value, applied=applied, scaler_skipped=not applied,
                               grad_norm=grad_norm, seconds=time.perf_counter() - t0)
+
+    # -- out-of-memory recovery ------------------------------------------------------------
+    def _set_phase(self, phase: str) -> None:
+        """Name the part of the step that runs (for the recovery log and the guard's injector)."""
+        self._phase = phase
+        guard = self.memory_guard
+        if guard is None:
+            return
+        for attr in ("phase", "phase_label"):  # MemoryGuard, OOMInjector
+            if hasattr(type(guard), attr):
+                setattr(guard, attr, phase)
+                return
+
+    def _run_window_recovering(self, window: _Window, batches: Iterator[Batch]) -> _WindowOutcome:
+        """:meth:`_run_window`, stepping down the ladder and replaying the window from its start
+        after an out-of-memory error (any phase), until it fits or the ladder ends."""
+        if not self._recovering:
+            return self._run_window(window, batches, self.config)
+        # Undo state for a replay: buffers that forward updates in place (BatchNorm statistics)
+        # and the RNG that dropout draws from, so that a replay sees what the first try saw.
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        saved_buffers = snapshot_tensors(buffers) if buffers else None
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        while True:
+            message = None
+            try:
+                return self._run_window(window, batches, self.config)
+            except Exception as exc:
+                if not self._recovering or not is_oom_error(exc):
+                    raise
+                message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            # Outside the except block: the traceback and its frames (and their tensors) are gone.
+            t0 = time.perf_counter()
+            batches = iter(())  # drop the half-read micro-batches
+            phase, peak = self._phase, self._failure_peak()
+            undo, self._optimizer_undo = getattr(self, "_optimizer_undo", None), None
+            free_memory(self.device, optimizer=self.optimizer)
+            if undo is not None:  # the optimizer step may have been half applied
+                restore_optimizer(self.model, self.optimizer, self.scaler, undo)
+            del undo
+            if saved_buffers is not None:
+                restore_tensors(buffers, saved_buffers)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            gc.collect()
+            self._step_down(step=self.step + 1, phase=phase, peak=peak, message=message, t0=t0)
+            window = window.recut(self.config.micro_batch_size)
+            batches = self._collate_window(window)
+
+    def _evaluate_recovering(self) -> dict[str, float]:
+        while True:
+            message = None
+            try:
+                return self.evaluate()
+            except Exception as exc:
+                if not self._recovering or not is_oom_error(exc):
+                    raise
+                message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            t0 = time.perf_counter()
+            peak = self._failure_peak()
+            free_memory(self.device, optimizer=self.optimizer)
+            self._step_down(step=self.step, phase="evaluation", peak=peak, message=message, t0=t0)
+
+    def _failure_peak(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        peak = getattr(self.memory_guard, "peak_bytes", None)
+        return int(peak) if peak is not None else None
+
+    def _budget(self) -> int | None:
+        budget = getattr(self.memory_guard, "budget_bytes", None)
+        return int(budget) if budget is not None else None
+
+    def _step_down(self, *, step: int, phase: str, peak: int | None, message: str | None, t0: float) -> None:
+        """Switch to the next rung of the ladder, or stop with a TrainingError when none is left."""
+        old = self.config
+        if not self.ladder:
+            raise self._exhausted(step, phase, peak, message)
+        new = self.ladder.pop(0)
+        self._switch_config(new)
+        self._tried.append(new)
+        event = RecoveryEvent(step=step, phase=phase, from_config=old.to_dict(), to_config=new.to_dict(),
+                              peak_at_failure=peak, seconds=time.perf_counter() - t0, error=message or "")
+        record = event.to_dict()
+        self.recoveries.append(record)
+        self._log({"type": "oom_recovery", **record})
+        text = (f"out of memory at step {step} in {phase} with {old.describe()}"
+                + (f" (peak {format_size(peak)})" if peak else "")
+                + f"; replaying with {new.describe()}")
+        log.warning("%s", text)
+        bar = getattr(self, "_bar", None)
+        if bar is not None and not bar.disable:
+            bar.write(text)
+            bar.set_postfix({"oom_recoveries": len(self.recoveries), "micro": new.micro_batch_size,
+                             "accum": new.grad_accum_steps}, refresh=False)
+
+    def _switch_config(self, new: TrainConfig) -> None:
+        """Apply ``new`` (same global batch) to the running model, scaler and loaders."""
+        old = self.config
+        if new.global_batch != old.global_batch:
+            raise ConfigError(f"cannot switch from global batch {old.global_batch} to {new.global_batch}")
+        if new.checkpoint_segments > old.checkpoint_segments:
+            # Idempotent per block: blocks checkpointed already stay so (only ever stepping down).
+            _checkpoint.apply_checkpointing(self.model, new.checkpoint_segments, self.task.checkpoint_blocks)
+            if self.options.compile:
+                self.forward_model = torch.compile(self.model)  # type: ignore[assignment]
+        if new.precision != old.precision:
+            # fp16 needs a GradScaler (a fresh one calibrates its scale in a few steps); bf16 and
+            # fp32 need none. Keep an existing one when both use it.
+            self.scaler = _precision.make_grad_scaler(new.precision, self.device.type)
+        self.config = new
+        self.sampler.micro = new.micro_batch_size
+        if self.val_loader is not None and new.micro_batch_size != old.micro_batch_size:
+            self.val_loader = self._val_loader_for(self.val_loader.dataset)
+
+    def _exhausted(self, step: int, phase: str, peak: int | None, message: str | None) -> TrainingError:
+        """The error that ends the run when the ladder is used up; writes a checkpoint of the
+        consistent state (nothing of the failed window is applied) only when none exists yet."""
+        c = self.config
+        if not self.checkpoint_path.exists():
+            try:
+                self._save_checkpoint()
+            except Exception as exc:  # noqa: BLE001 - the OOM is the error to report
+                log.warning("could not write a checkpoint after the OOM: %s", exc)
+        where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
+                 if self.checkpoint_path.exists() else "no checkpoint could be written")
+        budget = self._budget()
+        measured = (f"measured peak at failure {format_size(peak)}" if peak is not None else "peak at failure unknown")
+        if budget is not None:
+            measured += f" of budget {format_size(budget)}"
+        tried = "; ".join(t.describe() for t in self._tried)
+        return TrainingError(
+            f"ran out of memory at step {step} in {phase} with micro-batch {c.micro_batch_size}, "
+            f"{c.grad_accum_steps} accumulation steps, {c.precision}, {c.checkpoint_segments} checkpoint segments"
+            f" ({message}); no smaller configuration with the same global batch of {c.global_batch} is left "
+            f"(tried: {tried}); {where}; {measured} -- raise --vram or reduce the model"
+        )
 
     def _after_window(self, window: _Window, outcome: _WindowOutcome) -> None:
         """Advance the position and counters, step the schedule and EMA, log the step."""
@@ -725,6 +899,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Validation loss (mean over samples) and, with the default loss and class targets,
         accuracy (per token for ``(B, T, V)`` outputs). Uses the EMA weights when on."""
+        self._set_phase("evaluation")
         assert self.val_loader is not None
         default = self.task.loss_fn is default_loss
         total_loss, total_weight, correct, counted = 0.0, 0, 0, 0
@@ -758,7 +933,7 @@ class Trainer:
         return metrics
 
     def _evaluate_and_track(self) -> None:
-        metrics = self.evaluate()
+        metrics = self._evaluate_recovering()
         self.last_metrics, self.last_eval_step = metrics, self.step
         if self.options.monitor not in metrics:
             raise ConfigError(
@@ -823,6 +998,10 @@ class Trainer:
             "config": self.config.to_dict(),
             "options": self.options.to_dict(),
             "task": {"name": self.task.name, "source_hash": self.task.source_hash},
+            # OOM recovery: "config" above is the configuration running now (the one that worked).
+            "recovery": {"recoveries": list(self.recoveries),
+                         "ladder": [c.to_dict() for c in self.ladder],
+                         "tried": [c.to_dict() for c in self._tried]},
             "best": {
                 "metric": self.best_metric, "step": self.best_step, "metrics": self.best_metrics,
                 "path": str(self.best_path) if self.best_step is not None else None,
@@ -860,6 +1039,19 @@ class Trainer:
             )
         if ckpt["task"]["source_hash"] != self.task.source_hash:
             log.warning("%s changed since the checkpoint was written", self.task.name)
+        recovery = ckpt.get("recovery") or {}
+        if recovery.get("recoveries"):
+            # The run stepped down after an OOM: continue on the configuration that worked, with
+            # the rungs that were still below it.
+            self.recoveries = list(recovery["recoveries"])
+            self._tried = [TrainConfig.from_dict(c) for c in recovery.get("tried", [])] or [saved]
+            if saved in self.ladder:
+                self.ladder = self.ladder[self.ladder.index(saved) + 1:]
+            else:
+                self.ladder = [TrainConfig.from_dict(c) for c in recovery.get("ladder", [])]
+            if saved != self.config:
+                log.warning("resuming on %s, the configuration an OOM recovery switched to", saved.describe())
+                self._switch_config(saved)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.schedule.load_state_dict(ckpt["schedule"])  # after the optimizer: it sets the lr
@@ -919,6 +1111,7 @@ class Trainer:
             "stop_signal": self._stop_signal,
             "stopped_early": self.stopped_early,
             "resumed_from_step": resumed_from,
+            "recoveries": list(self.recoveries),
             "skipped_steps": self.skipped_steps,
             "scaler_skipped_steps": self.scaler_skipped_steps,
             "monitor": self.options.monitor,
@@ -1009,6 +1202,20 @@ class Trainer:
 # ----------------------------------------------------------------------------------------------
 # Module helpers
 # ----------------------------------------------------------------------------------------------
+
+def _ladder_configs(ladder: Sequence[Any] | None, config: TrainConfig) -> list[TrainConfig]:
+    """``Plan.ladder()`` entries or configs -> the configs with ``config``'s global batch, in order."""
+    out: list[TrainConfig] = []
+    for rung in ladder or ():
+        c = getattr(rung, "config", rung)
+        if isinstance(c, Mapping):
+            c = TrainConfig.from_dict(dict(c))
+        if not isinstance(c, TrainConfig):
+            raise ConfigError(f"ladder entries must be TrainConfig or PlanEntry, got {type(rung).__name__}")
+        if c.global_batch == config.global_batch and c != config and c not in out:
+            out.append(c)
+    return out
+
 
 def _logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The default loss's view of a batch: ``model(inputs)`` and targets, ``(B, T, V)`` outputs
