@@ -180,13 +180,27 @@ class _Recorder(TorchDispatchMode):
             return None
 
     # ops -------------------------------------------------------------------------------
+    def _track_outputs(self, func: Any, out: Any) -> bool | tuple[bool, ...]:
+        # Returns the schema marks as aliases (views, in-place and out= results) are storage
+        # that already exists — possibly from before the trace, like the dataset tensor a
+        # batch item is a view of; only the other returns can be new allocations.
+        aliased = _aliased(func)
+        if aliased is True:
+            return aliased
+        returns = out if isinstance(out, (tuple, list)) else (out,)
+        flags = aliased if isinstance(aliased, tuple) else (False,) * len(returns)
+        for ret, is_alias in zip(returns, flags):
+            if not is_alias:
+                for t in tree_flatten(ret)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.track(t)
+        return aliased
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if self.quiet:
             out = func(*args, **kwargs)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.track(t)
+            self._track_outputs(func, out)
             return out
         if self.label_ops:
             with torch.profiler.record_function(f"memplan_op::{len(self.ops)}"):
@@ -197,11 +211,7 @@ class _Recorder(TorchDispatchMode):
         in_tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         out_tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         before = len(self.alloc_bytes)
-        # In-place and out= ops return storage that already exists; tracking their outputs
-        # could only mistake an alias for a new allocation.
-        if not (packet.__name__.endswith("_") or "out" in kwargs):
-            for t in out_tensors:
-                self.track(t)
+        aliased = self._track_outputs(func, out)
         new_bytes = sum(self.alloc_bytes[before:])
         flops = 0
         if packet in flop_registry:
@@ -211,12 +221,27 @@ class _Recorder(TorchDispatchMode):
                 flops = 0
         moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
         dtype = next((str(t.dtype).replace("torch.", "") for t in in_tensors if t.is_floating_point()), "none")
-        inplace = packet.__name__.endswith("_") or "out" in kwargs
+        inplace = aliased is True and (packet.__name__.endswith("_") or "out" in kwargs)
         moves = bool(out_tensors) and (new_bytes > 0 or inplace or flops > 0)
         self.ops.append(OpRecord(str(packet), self.phase, flops, moved, dtype, new_bytes, moves))
         self.op_positions.append(len(self.event_alloc))
         self.op_new_bytes.append(new_bytes)
         return out
+
+
+_ALIASED: dict[Any, Any] = {}
+
+
+# ``torch.tensor(data)`` builds its tensor outside the dispatcher; these ops are where such a
+# fresh tensor first appears, returned as an "alias" of itself: it is a new allocation.
+_FRESH = {"lift_fresh", "lift_fresh_copy", "lift"}
+
+
+def _aliased(func: Any) -> bool | tuple[bool, ...]:
+    if func not in _ALIASED:
+        from ._guard import _aliased_returns
+        _ALIASED[func] = False if func._overloadpacket.__name__ in _FRESH else _aliased_returns(func)
+    return _ALIASED[func]
 
 
 def functools_partial(fn: Any, key: int) -> Any:
