@@ -35,10 +35,24 @@ What a run writes to ``out_dir``:
                     "samples_per_s", "grad_norm", "peak_memory_bytes", "skipped"[, "scaler_skipped",
                     "gpu_util_percent", "gpu_memory_used_bytes"]}`` per optimizer step,
                     ``{"type": "eval", "step", "epoch", "val_loss"[, "val_accuracy"], "best",
-                    "improved"}`` per evaluation, ``{"type": "resume", ...}`` when resumed
+                    "improved"}`` per evaluation, ``{"type": "oom_recovery", "event": "oom_recovery",
+                    "step", "phase", "from", "to", "peak_at_failure", "seconds", "error"}`` per switch
+                    to a smaller configuration, ``{"type": "resume", ...}`` when resumed
                     (appended to; lines logged after the last checkpoint of a crashed run repeat).
                     NaN/inf are written as the strings ``"nan"``/``"inf"``.
-``summary.json``    wall time, steps, best and final metrics, measured vs predicted peak memory.
+``summary.json``    wall time, steps, best and final metrics, measured vs predicted peak memory,
+                    the OOM ``recoveries``.
+
+Out-of-memory recovery (with ``ladder=``, e.g. ``Plan.ladder()``): an OOM in forward, backward,
+the optimizer step or evaluation is caught by type (``is_oom_error``); outside the ``except``
+block the step's references are dropped, gradients freed, a half-applied optimizer step undone
+(from a host copy taken before each step), ``gc.collect()`` and ``torch.cuda.empty_cache()`` run;
+the trainer switches to the next rung (same global batch, less memory: smaller micro-batch and
+more accumulation, more checkpoint segments, lower precision) and replays the window from its
+start (same samples, same RNG state), so no micro-batch is counted twice or skipped. The
+checkpoint stores the configuration that worked, and a resumed run continues on it. When the
+ladder ends, ``TrainingError`` says what failed and where the last good checkpoint is. Without a
+ladder an OOM propagates.
 
 Example:
     >>> from estimators import TrainConfig, load_task        # doctest: +SKIP
@@ -53,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import itertools
 import json
 import logging
@@ -371,6 +384,10 @@ class _EMA:
 # The trainer
 # ----------------------------------------------------------------------------------------------
 
+_UNDO_STEPS = 2
+"""Optimizer steps guarded by an undo copy (see ``_run_window``)."""
+
+
 class Trainer:
     """Single-device trainer for one :class:`TrainConfig` (DDP/FSDP come later).
 
@@ -416,6 +433,7 @@ class Trainer:
         self.ladder: list[TrainConfig] = _ladder_configs(ladder, config)
         self._recovering = ladder is not None  # without a ladder an OOM propagates
         self._optimizer_undo: Any = None
+        self._peak_floor: int | None = None
         self.recoveries: list[dict[str, Any]] = []
         self._tried: list[TrainConfig] = [config]
         self._phase = "setup"
@@ -465,16 +483,17 @@ class Trainer:
                 outcome = self._run_window_recovering(window, batches)
                 del batches
                 self._after_window(window, outcome)
-                if len(self.recoveries) != recovered_before:
-                    # The windows ahead were cut for the old micro-batch: cut them anew from here.
-                    windows.close()
-                    windows = self._windows()
                 epoch_ended = self.epoch_offset == 0
                 if self._due(self.options.eval_every, epoch_ended) and self.val_loader is not None:
                     self._evaluate_and_track()
                 if self._due(self.options.checkpoint_every, epoch_ended) and self.consecutive_nonfinite == 0:
                     # Not during a NaN streak: the last checkpoint before it is the good one.
                     self._save_checkpoint()
+                if len(self.recoveries) != recovered_before:
+                    # An OOM recovery (in the step or the evaluation) changed the micro-batch: the
+                    # windows ahead were cut for the old one; cut them anew from here.
+                    windows.close()
+                    windows = self._windows()
                 if self._stop_signal is not None:
                     return True
         finally:
@@ -653,6 +672,7 @@ class Trainer:
             self._run_window(window, self._collate_window(window), new_config)
         """
         t0 = time.perf_counter()
+        self._optimizer_undo = None
         self.optimizer.zero_grad(set_to_none=True)  # a no-op normally; makes a replay start clean
         window_loss = torch.zeros((), device=self.device)
         for indices, batch in zip(window.micro_indices, batches):
@@ -678,10 +698,12 @@ class Trainer:
             return _WindowOutcome(loss_value, applied=False, nonfinite=True, seconds=time.perf_counter() - t0)
 
         grad_norm = None
-        if self._recovering:
+        if self._recovering and self.step < _UNDO_STEPS:
             # An OOM inside the optimizer step may leave it half applied (AdamW updates its
             # moments in place before it allocates its temporaries): keep an undo copy in host
-            # memory so that the window can be replayed from its start.
+            # memory so that the window can be replayed from its start. Only the first steps
+            # pay for it: the first creates the optimizer state, and from the second on the
+            # step's memory is the same every time (the estimator traces exactly this).
             self._optimizer_undo = snapshot_optimizer(self.model, self.optimizer, self.scaler)
         if self.options.grad_clip is not None:
             if self.scaler is not None:
@@ -724,6 +746,7 @@ class Trainer:
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         while True:
             message = None
+            self._reset_window_peak()
             try:
                 return self._run_window(window, batches, self.config)
             except Exception as exc:
@@ -734,8 +757,9 @@ class Trainer:
             t0 = time.perf_counter()
             batches = iter(())  # drop the half-read micro-batches
             phase, peak = self._phase, self._failure_peak()
-            undo, self._optimizer_undo = getattr(self, "_optimizer_undo", None), None
-            free_memory(self.device, optimizer=self.optimizer)
+            self._set_phase("recovery")
+            undo, self._optimizer_undo = self._optimizer_undo, None
+            self.optimizer.zero_grad(set_to_none=True)
             if undo is not None:  # the optimizer step may have been half applied
                 restore_optimizer(self.model, self.optimizer, self.scaler, undo)
             del undo
@@ -744,7 +768,7 @@ class Trainer:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
-            gc.collect()
+            free_memory(self.device, optimizer=self.optimizer)  # gc.collect(), torch.cuda.empty_cache()
             self._step_down(step=self.step + 1, phase=phase, peak=peak, message=message, t0=t0)
             window = window.recut(self.config.micro_batch_size)
             batches = self._collate_window(window)
@@ -752,6 +776,7 @@ class Trainer:
     def _evaluate_recovering(self) -> dict[str, float]:
         while True:
             message = None
+            self._reset_window_peak()
             try:
                 return self.evaluate()
             except Exception as exc:
@@ -760,8 +785,20 @@ class Trainer:
                 message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             t0 = time.perf_counter()
             peak = self._failure_peak()
+            self._set_phase("recovery")
             free_memory(self.device, optimizer=self.optimizer)
             self._step_down(step=self.step, phase="evaluation", peak=peak, message=message, t0=t0)
+
+    def _reset_window_peak(self) -> None:
+        """Start the peak anew for this attempt (so that an OOM reports the peak of the step that
+        failed); the run's peak so far is kept in ``_peak_floor`` for the summary."""
+        peak = self._peak_memory()
+        if peak is not None:
+            self._peak_floor = max(self._peak_floor or 0, peak)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif hasattr(self.memory_guard, "reset_peak"):
+            self.memory_guard.reset_peak()  # type: ignore[union-attr]
 
     def _failure_peak(self) -> int | None:
         if self.device.type == "cuda":
@@ -976,6 +1013,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
+        self._set_phase("checkpoint")
         if not _all_finite(self.model):
             raise TrainingError(
                 f"the weights became NaN/inf by step {self.step}; not overwriting the last good "
@@ -1140,12 +1178,16 @@ class Trainer:
         return tree_map(lambda t: t.to(self.device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, batch)
 
     def _peak_memory(self) -> int | None:
+        peak: int | None = None
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if self.memory_guard is not None:
-            peak = getattr(self.memory_guard, "peak_bytes", None)
-            return int(peak) if peak is not None else None
-        return None
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        elif self.memory_guard is not None:
+            value = getattr(self.memory_guard, "peak_bytes", None)
+            peak = int(value) if value is not None else None
+        floor = getattr(self, "_peak_floor", None)  # the peak before OOM recovery last reset it
+        if floor is not None:
+            peak = max(peak or 0, floor)
+        return peak
 
     def _gpu_stats(self) -> dict[str, Any]:
         """GPU utilisation and memory from NVML, on CUDA only; any failure turns it off."""

@@ -1,0 +1,223 @@
+"""Out-of-memory recovery: the trainer's helpers and :func:`keep_global_batch` for own loops.
+
+The rule every helper here follows (FACTS.md, "After an OOM"): catch the error by type
+(:func:`estimators._probe.is_oom_error`), keep nothing of it but its message, and recover
+*outside* the ``except`` block -- while the exception is being handled its traceback keeps the
+failed step's frames, and with them its tensors, alive. Recovery then drops the references,
+runs ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``.
+
+Unlike Accelerate's ``find_executable_batch_size``, :func:`keep_global_batch` keeps the global
+batch: each retry halves the micro-batch (to the next divisor of the global batch) and raises
+gradient accumulation to match, so the learning rate and the optimisation stay the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, TypeVar
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from estimators import ConfigError, TrainingError
+from estimators._probe import is_oom_error
+
+__all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def next_micro_batch(global_batch: int, micro_batch_size: int) -> int | None:
+    """The largest divisor of ``global_batch`` that is at most half of ``micro_batch_size``
+    (``None`` when ``micro_batch_size`` is already 1).
+
+    >>> next_micro_batch(64, 64), next_micro_batch(64, 32), next_micro_batch(48, 48), next_micro_batch(60, 60)
+    (32, 16, 24, 30)
+    >>> next_micro_batch(64, 1) is None
+    True
+    """
+    if micro_batch_size <= 1:
+        return None
+    half = micro_batch_size // 2
+    for d in range(half, 0, -1):
+        if global_batch % d == 0:
+            return d
+    return 1
+
+
+def free_memory(device: torch.device | str | None = None, *,
+                optimizer: torch.optim.Optimizer | None = None,
+                model: nn.Module | None = None) -> None:
+    """Free what a failed step left: gradients (``set_to_none``), garbage cycles, the CUDA cache.
+    Call it after the ``except`` block has ended."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    if model is not None:
+        for p in model.parameters():
+            p.grad = None
+    gc.collect()
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class RecoveryEvent:
+    """One switch to a smaller configuration after an OOM (a line of ``metrics.jsonl``)."""
+
+    step: int
+    phase: str
+    from_config: dict[str, Any]
+    to_config: dict[str, Any]
+    peak_at_failure: int | None
+    seconds: float
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": "oom_recovery", "step": self.step, "phase": self.phase,
+                "from": self.from_config, "to": self.to_config,
+                "peak_at_failure": self.peak_at_failure, "seconds": self.seconds, "error": self.error}
+
+
+# ----------------------------------------------------------------------------------------------
+# Undo state for a replayed window (the trainer's)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Snapshot:
+    params: list[torch.Tensor] = field(default_factory=list)
+    state: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    scaler: dict[str, Any] | None = None
+
+
+def snapshot_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies, made with the dispatch modes (a CPU memory guard) switched off: the copy is
+    an undo buffer in host memory, not part of the device's training step."""
+    with _disable_current_modes(), torch.no_grad():
+        return [t.detach().to("cpu", copy=True) for t in tensors]
+
+
+def restore_tensors(targets: Iterable[torch.Tensor], saved: Iterable[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t, s in zip(targets, saved):
+            t.copy_(s)
+
+
+def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: Any | None) -> _Snapshot:
+    """What an optimizer step changes in place: parameters, optimizer state, the GradScaler."""
+    params = list(model.parameters())
+    snap = _Snapshot(params=snapshot_tensors(params))
+    with _disable_current_modes(), torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.get(p)
+                if not st:
+                    snap.state[id(p)] = None
+                    continue
+                snap.state[id(p)] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                                     for k, v in st.items()}
+    snap.scaler = scaler.state_dict() if scaler is not None else None
+    return snap
+
+
+def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any | None,
+                      snap: _Snapshot) -> None:
+    restore_tensors(model.parameters(), snap.params)
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                saved = snap.state.get(id(p))
+                if saved is None:
+                    optimizer.state.pop(p, None)  # lazily created by the failed step
+                    continue
+                current = optimizer.state[p]
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor) and isinstance(current.get(k), torch.Tensor) \
+                            and current[k].shape == v.shape:
+                        current[k].copy_(v)
+                    elif isinstance(v, torch.Tensor):
+                        current[k] = v.to(p.device if v.dim() else v.device)
+                    else:
+                        current[k] = v
+    if scaler is not None and snap.scaler:  # empty before the scaler's first step
+        scaler.load_state_dict(snap.scaler)
+
+
+# ----------------------------------------------------------------------------------------------
+# For users' own loops
+# ----------------------------------------------------------------------------------------------
+
+def keep_global_batch(global_batch: int, starting_micro_batch: int | None = None, *,
+                      before_retry: Callable[[int, int], None] | None = None,
+                      device: str | torch.device | None = None) -> Callable[[F], F]:
+    """Retry a step with a smaller micro-batch and more accumulation after an OOM.
+
+    The decorated function is called as ``fn(micro_batch_size, grad_accum_steps, *args,
+    **kwargs)`` with ``micro_batch_size * grad_accum_steps == global_batch``. When it raises an
+    out-of-memory error (``torch.OutOfMemoryError``, the CPU allocator's or cuDNN's, see
+    :func:`is_oom_error`), the error is dropped, memory is freed (``gc.collect()``, the CUDA
+    cache), ``before_retry(micro, accum)`` is called if given (zero your gradients there), and
+    the function runs again with the micro-batch halved to the next divisor of the global batch
+    and the accumulation raised to match -- the learning rate is left alone, since the global
+    batch does not change. The working pair is remembered for later calls
+    (``fn.micro_batch_size``, ``fn.grad_accum_steps``); ``fn.history`` lists every pair tried.
+    Raises :class:`TrainingError` when micro-batch 1 still runs out of memory.
+
+    Example:
+        >>> @keep_global_batch(global_batch=64, starting_micro_batch=64)
+        ... def step(micro_batch_size, grad_accum_steps):
+        ...     if micro_batch_size > 16:
+        ...         raise torch.OutOfMemoryError("CUDA out of memory")
+        ...     return micro_batch_size, grad_accum_steps
+        >>> step()
+        (16, 4)
+        >>> step.history
+        [(64, 1), (32, 2), (16, 4)]
+    """
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch must be a whole number >= 1, got {global_batch!r}")
+    start = global_batch if starting_micro_batch is None else starting_micro_batch
+    if not isinstance(start, int) or start < 1 or global_batch % start:
+        raise ConfigError(f"starting_micro_batch {start!r} must divide the global batch {global_batch}")
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            while True:
+                micro = wrapper.micro_batch_size  # type: ignore[attr-defined]
+                accum = global_batch // micro
+                wrapper.history.append((micro, accum))  # type: ignore[attr-defined]
+                message = None
+                try:
+                    return fn(micro, accum, *args, **kwargs)
+                except Exception as exc:
+                    if not is_oom_error(exc):
+                        raise
+                    message = f"{type(exc).__name__}: {exc}"
+                # Outside the except block: the traceback (and the step's tensors) are gone.
+                t0 = time.perf_counter()
+                free_memory(device)
+                smaller = next_micro_batch(global_batch, micro)
+                if smaller is None:
+                    raise TrainingError(
+                        f"{fn.__name__} ran out of memory with micro-batch 1 x {global_batch} accumulation "
+                        f"steps (tried {wrapper.history}); nothing smaller keeps the global batch "  # type: ignore[attr-defined]
+                        f"of {global_batch} -- free memory or reduce the model ({message})"
+                    )
+                wrapper.micro_batch_size = smaller  # type: ignore[attr-defined]
+                wrapper.grad_accum_steps = global_batch // smaller  # type: ignore[attr-defined]
+                if before_retry is not None:
+                    before_retry(smaller, global_batch // smaller)
+                wrapper.recovery_seconds.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+
+        wrapper.micro_batch_size = start  # type: ignore[attr-defined]
+        wrapper.grad_accum_steps = global_batch // start  # type: ignore[attr-defined]
+        wrapper.history = []  # type: ignore[attr-defined]
+        wrapper.recovery_seconds = []  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+    return decorate
