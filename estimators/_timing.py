@@ -75,19 +75,21 @@ def _machine_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _median_time(fn, repeats: int = 5) -> float:
+def _best_time(fn, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` runs: other work on the machine only ever slows a run down,
+    so the minimum is the machine's rate (a median would cache a busy moment for good)."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(min(times))
 
 
 def cpu_rates(*, refresh: bool = False) -> DeviceRates:
     """This machine's CPU rates, measured once (~1 s) and cached per machine."""
-    path = _cache_dir() / f"cpu-rates-{_machine_key()}.json"
+    path = _cache_dir() / f"cpu-rates-v2-{_machine_key()}.json"
     if not refresh and path.is_file():
         try:
             data = json.loads(path.read_text())
@@ -99,14 +101,14 @@ def cpu_rates(*, refresh: bool = False) -> DeviceRates:
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         reps = 1 if dtype == torch.float16 else 4  # fp16 GEMMs are emulated (slow) on most CPUs
-        t = _median_time(lambda: [a @ b for _ in range(reps)], repeats=3) / reps
+        t = _best_time(lambda: [a @ b for _ in range(reps)], repeats=3) / reps
         flops[name] = 2 * n**3 / t
     big = torch.empty(8 * 2**20, dtype=torch.float32)
     dst = torch.empty_like(big)
-    t = _median_time(lambda: dst.copy_(big))
+    t = _best_time(lambda: dst.copy_(big))
     bandwidth = 2 * big.numel() * 4 / t
     x = torch.ones(8)
-    overhead = _median_time(lambda: [x.add(1.0) for _ in range(200)]) / 200
+    overhead = _best_time(lambda: [x.add(1.0) for _ in range(200)]) / 200
     rates = DeviceRates("cpu", flops, bandwidth, overhead)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
