@@ -17,7 +17,7 @@ of the model's size was allocated.
 The default grid per model: micro-batch 5, 16, 48 (5, 16, 24 for the models whose real runs
 are slow) over four (precision, accumulation, checkpointing) shapes — a half fraction of the
 2x2x2 combinations in which every pair of axes shows all four of its combinations:
-fp32/1/none and bf16/1/max at every batch size, fp32/2/max and bf16/2/none at the middle one.
+fp32/1/none and bf16/1/max at every batch size, fp32/2/max and bf16/2/none at the smallest.
 ``--full`` runs all eight shapes at every batch size; ``--quick`` fp32/1/none at every batch
 size and bf16/2/max at the middle one. A config whose real run fails is reported as "not
 runnable here" and left out of the statistics; a failed estimate is a counted failure.
@@ -66,7 +66,8 @@ def log(msg: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     line = text[0] if text else type(exc).__name__
-    return line if len(line) <= 240 else line[:237] + "..."
+    line = line.split(" Run workload with environment variable ONEDNN_VERBOSE")[0]  # oneDNN's boilerplate
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 # ---------------------------------------------------------------------------------------
@@ -80,7 +81,8 @@ def grid(max_ck: int, batches: tuple[int, int, int], *, quick: bool, full: bool)
     traces, and every configuration one real measured run, so the default grid is thinned:
     four shapes, a half fraction of the 2x2x2 combinations in which each pair of axes still
     shows all four of its combinations (fp32/1/none, bf16/1/max at every batch size;
-    fp32/2/max, bf16/2/none at the middle one). ``full``: all eight shapes at every batch
+    fp32/2/max, bf16/2/none at the smallest one: accumulation doubles a real run's time, and
+    bf16 runs slowly on CPUs without bf16 GEMMs). ``full``: all eight shapes at every batch
     size; ``quick``: fp32/1/none at every batch size and bf16/2/max at the middle one.
     Without a block stack (max 0) the checkpoint axis is skipped."""
     lo, mid, hi = batches
@@ -92,7 +94,7 @@ def grid(max_ck: int, batches: tuple[int, int, int], *, quick: bool, full: bool)
         plan = [((p, a, c), everyb) for p in ("fp32", "bf16-mixed") for a in (1, 2) for c in cks]
     else:
         plan = [(("fp32", 1, 0), everyb), (("bf16-mixed", 1, max_ck), everyb),
-                (("fp32", 2, max_ck), (mid,)), (("bf16-mixed", 2, 0), (mid,))]
+                (("fp32", 2, max_ck), (lo,)), (("bf16-mixed", 2, 0), (lo,))]
     return [(p, a, c, b) for (p, a, c), bs in plan for b in bs]
 
 
@@ -444,7 +446,7 @@ def render(results: list[dict[str, Any]], failures: list[tuple[str, str]], speed
     L.append(f"- Grid per model: micro-batch {BATCHES} ({HEAVY_BATCHES} for {', '.join(sorted(HEAVY))}); "
              + {"default": "fp32 / accum 1 / no checkpointing and bf16-mixed / accum 1 / all blocks "
                            "checkpointed at every batch size, fp32 / accum 2 / all blocks and bf16-mixed / "
-                           "accum 2 / none at the middle batch size (a half fraction of precision × "
+                           "accum 2 / none at the smallest batch size (a half fraction of precision × "
                            "accumulation × checkpointing in which each pair of axes shows all four of its "
                            "combinations)",
                 "full": "every precision × accumulation × checkpointing combination at every batch size",
@@ -475,8 +477,11 @@ def render(results: list[dict[str, Any]], failures: list[tuple[str, str]], speed
         L.append(f"| median \\|error\\| | {med:.2f}% | ≤ {GOAL_MEDIAN_PCT:g}% | {verdict(med <= GOAL_MEDIAN_PCT)} |")
         L.append(f"| max \\|error\\| | {mx:.2f}% | ≤ {GOAL_MAX_PCT:g}% | {verdict(mx <= GOAL_MAX_PCT)} |")
     n_fail = len(rows_by_kind["estimate-failure"])
+    n_fail_both = sum(1 for _, r in rows_by_kind["estimate-failure"] if "measure_error" in r)
     L.append(f"| configs compared | {len(all_errors)} of {n_rows} | | |")
-    L.append(f"| estimate failures (counted) | {n_fail} | 0 | {verdict(n_fail == 0)} |")
+    L.append(f"| estimate failures (counted) | {n_fail}"
+             + (f" ({n_fail_both} of them configs whose real run fails too)" if n_fail_both else "")
+             + f" | 0 | {verdict(n_fail == 0)} |")
     L.append(f"| not runnable here (real run failed; excluded) | {len(rows_by_kind['not-runnable'])} | | |")
     L.append(f"| models whose subprocess crashed / timed out | {len(failures)} | 0 | {verdict(not failures)} |")
     if rows_by_kind["incomplete"]:
@@ -530,7 +535,11 @@ def render(results: list[dict[str, Any]], failures: list[tuple[str, str]], speed
         for name, why in failures:
             L.append(f"| {name} | (whole model) | FAILURE: subprocess | {why} |")
         for name, r in rows_by_kind["estimate-failure"]:
-            L.append(f"| {name} | {describe(r)} | FAILURE: estimate | {r['estimate_error']} |")
+            also = ((" — the real run fails with the same error" if r["measure_error"].split(": ")[-1]
+                     in r["estimate_error"] else f" — the real run fails too: {r['measure_error']}")
+                    if "measure_error" in r else
+                    f" — the real run works: {r['measured']:,} B" if "measured" in r else "")
+            L.append(f"| {name} | {describe(r)} | FAILURE: estimate | {r['estimate_error']}{also} |")
         for name, r in rows_by_kind["incomplete"]:
             L.append(f"| {name} | {describe(r)} | FAILURE: not measured | {r['incomplete']} |")
         for name, r in rows_by_kind["not-runnable"]:
@@ -581,12 +590,14 @@ def render(results: list[dict[str, Any]], failures: list[tuple[str, str]], speed
         L.append(f"### {res['model']} (`{res['path']}`, checkpoint max {res['max_checkpoint']})\n")
         if res.get("problem"):
             L.append(f"**Incomplete: {res['problem']}.**\n")
-        L.append("| config | method | predicted | measured | error | peak phase | estimate time | note |")
-        L.append("|---|---|---:|---:|---:|---|---:|---|")
+        L.append("| config | method | predicted | measured | predicted − measured | error | peak phase | "
+                 "estimate time | note |")
+        L.append("|---|---|---:|---:|---:|---:|---|---:|---|")
         for r in res["rows"]:
             pred = f"{r['predicted']:,}" if "predicted" in r else "—"
             meas = f"{r['measured']:,}" if "measured" in r else "—"
             err = f"{r['error_pct']:+.2f}%" if "error_pct" in r else "—"
+            diff = f"{r['predicted'] - r['measured']:+,}" if "predicted" in r and "measured" in r else "—"
             kind = _kind(r)
             if kind == "estimate-failure":
                 note = f"FAILURE (estimate): {r['estimate_error']}"
@@ -596,7 +607,7 @@ def render(results: list[dict[str, Any]], failures: list[tuple[str, str]], speed
                 note = f"not runnable here: {r['measure_error']}"
             else:
                 note = "; ".join(r.get("notes", []))
-            L.append(f"| {describe(r)} | {r.get('method', '—')} | {pred} | {meas} | {err} | "
+            L.append(f"| {describe(r)} | {r.get('method', '—')} | {pred} | {meas} | {diff} | {err} | "
                      f"{r.get('peak_phase', '—')} | {fmt_s(r['estimate_s'])} | {note} |")
         L.append("")
     L.append("Sizes are bytes unless a unit is given.")
