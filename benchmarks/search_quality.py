@@ -1,0 +1,252 @@
+"""Search quality: ``memplan.search`` against an exhaustive measured grid (CPU).
+
+Per model and budget:
+
+* search: ``memplan.search(path, vram=budget, global_batch=G, precisions=P, probe_top=2)``
+  with default trials, timed (search cost; a fresh MEMPLAN_CACHE_DIR so no study resumes);
+* grid: every configuration of the same space (``memplan._space.build_space`` with the
+  arguments search uses) probed (``estimators._probe.probe``, steps=5, warmup=2) with the
+  budget enforced (``budget_bytes = budget * (1 - margin)``), timed (grid cost);
+* quality: the chosen plan's measured throughput as a % of the grid's best feasible one
+  (goal >= 95%), whether its measured peak is within the budget (goal: always), and
+  search cost / grid cost (goal <= 20%).
+
+Budgets: "generous" = 2x the largest estimated peak of the space (everything fits);
+"tight" = just below the estimated peak of the 3 configurations that were measured fastest
+in the grid, so they are excluded (relaxed to fewer if nothing else would fit).
+
+The grid is probed once, under the generous budget; feasibility under the tight budget is
+read from the same probes' measured peaks (a probe under the tight budget would report
+``oom`` for exactly those over it). The grid cost reported for both budgets is that one
+grid's wall time. To keep the grid affordable on a shared 2-core machine the space is
+reduced the same way for search and grid: a fixed global batch (default 16) and fp32 only
+(``--precisions``).
+
+    python benchmarks/search_quality.py [--models digits,mlp,cnn_bn,gpt_tied] [--global-batch 16]
+        [--precisions fp32] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import glob
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# A fresh cache (studies, rates) for this run; the machine's measured CPU rates are copied in
+# so the estimator prices time as it does for a user.
+_OLD_CACHE = os.environ.get("MEMPLAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "memplan")
+_TMP_CACHE = tempfile.mkdtemp(prefix="memplan-search-bench-")
+for f in glob.glob(os.path.join(_OLD_CACHE, "cpu-rates-*.json")):
+    shutil.copy(f, _TMP_CACHE)
+os.environ["MEMPLAN_CACHE_DIR"] = _TMP_CACHE
+
+import torch  # noqa: E402
+
+from estimators import Estimator, TrainConfig, load_task  # noqa: E402
+from estimators._checkpoint import max_checkpoint_segments  # noqa: E402
+from estimators._probe import probe  # noqa: E402
+from memplan import _search  # noqa: E402
+from memplan._space import build_space  # noqa: E402
+
+MODELS = {
+    "digits": ROOT / "examples" / "digits.py",
+    "mlp": ROOT / "benchmarks" / "models" / "mlp.py",
+    "cnn_bn": ROOT / "benchmarks" / "models" / "cnn_bn.py",
+    "gpt_tied": ROOT / "benchmarks" / "models" / "gpt_tied.py",
+}
+MARGIN = 0.10
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "search.md"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def mb(n) -> str:
+    return f"{n / 1e6:.2f} MB" if n is not None else "-"
+
+
+def throughput(global_batch: int, step_s: float | None) -> float:
+    return global_batch / step_s if step_s else 0.0
+
+
+def run_model(name: str, path: Path, global_batch: int, precisions: tuple[str, ...], deadline: float) -> dict:
+    task = load_task(str(path))
+    est = Estimator(task, device="cpu")
+    space = build_space(
+        dataset_size=task.dataset_size() if task.train_data is not None else None,
+        global_batch=global_batch,
+        precisions=_search._precisions(est, precisions),
+        max_segments=max_checkpoint_segments(_search._meta_model(task), task.checkpoint_blocks),
+        max_micro_batch=None,
+    )
+    configs = list(space)
+    preds = {c: est.estimate(c) for c in configs}
+    need = {c: preds[c].peak_bytes + preds[c].context_bytes for c in configs}
+    generous = int(math.ceil(2 * max(need.values()) / (1 - MARGIN)))
+    gen_limit = int(generous * (1 - MARGIN))
+    log(f"[{name}] space {len(configs)} configs; generous budget {mb(generous)}")
+
+    grid = {}
+    t0 = time.perf_counter()
+    for c in configs:
+        r = probe(str(path), c, device="cpu", steps=5, warmup=2, budget_bytes=gen_limit)
+        m = r.estimate if r.ok else None
+        grid[c] = {"status": r.status, "step_s": m.step_time_s if m else None,
+                   "peak": (m.peak_bytes + m.context_bytes) if m else None, "msg": r.message}
+        log(f"[{name}] grid {c.describe()}: {r.status} step {grid[c]['step_s']} peak {mb(grid[c]['peak'])}")
+    grid_s = time.perf_counter() - t0
+
+    ok = [c for c in configs if grid[c]["status"] == "ok"]
+    by_speed = sorted(ok, key=lambda c: -throughput(space.global_batch, grid[c]["step_s"]))
+    tight = None
+    for k in (3, 2, 1):
+        top = by_speed[:k]
+        limit = int(0.98 * min(min(need[c], grid[c]["peak"]) for c in top))
+        rest = [c for c in ok if grid[c]["peak"] <= limit and need[c] <= limit]
+        if rest:
+            tight, excluded_top = int(limit / (1 - MARGIN)), k
+            break
+    budgets = [("generous", generous)]
+    if tight is not None:
+        budgets.append(("tight", tight))
+
+    out = {"name": name, "space": len(configs), "global_batch": space.global_batch, "grid_s": grid_s,
+           "segments": space.checkpoint_segments, "micros": space.micro_batch_sizes,
+           "precisions": space.precisions, "runs": [], "grid": grid, "preds": preds}
+    for label, budget in budgets:
+        limit = int(budget * (1 - MARGIN))
+        feasible = [c for c in ok if grid[c]["peak"] <= limit]
+        best = max(feasible, key=lambda c: throughput(space.global_batch, grid[c]["step_s"]))
+        best_tp = throughput(space.global_batch, grid[best]["step_s"])
+        t1 = time.perf_counter()
+        plan = _search.search(str(path), vram=budget, global_batch=global_batch, precisions=list(precisions),
+                              probe_top=2, margin=MARGIN)
+        search_s = time.perf_counter() - t1
+        chosen = plan.best.config
+        probed_in_search = plan.best.measured is not None
+        if probed_in_search:
+            s_step = plan.best.measured.step_time_s
+            s_peak = plan.best.measured.peak_bytes + plan.best.measured.context_bytes
+        else:
+            r = probe(str(path), chosen, device="cpu", steps=5, warmup=2, budget_bytes=limit)
+            s_step = r.estimate.step_time_s if r.ok and r.estimate else None
+            s_peak = (r.estimate.peak_bytes + r.estimate.context_bytes) if r.estimate else None
+        g = grid.get(chosen)
+        g_tp = throughput(space.global_batch, g["step_s"]) if g else 0.0
+        run = {
+            "label": label, "budget": budget, "limit": limit, "n_feasible": len(feasible),
+            "excluded_top": excluded_top if label == "tight" else 0,
+            "best": best, "best_tp": best_tp, "chosen": chosen, "search_s": search_s,
+            "probed_in_search": probed_in_search, "search_tp": throughput(space.global_batch, s_step),
+            "search_peak": s_peak, "grid_tp": g_tp, "grid_peak": g["peak"] if g else None,
+            "pct_grid": 100 * g_tp / best_tp if best_tp else float("nan"),
+            "pct_search_probe": 100 * throughput(space.global_batch, s_step) / best_tp if best_tp else float("nan"),
+            "within": (s_peak is not None and s_peak <= limit) and (g is None or g["peak"] is None or g["peak"] <= limit),
+            "ratio": search_s / grid_s, "trials": plan.trials, "notes": plan.notes,
+            "top_measured": [str(e.config.describe()) for e in plan.entries if e.measured is not None],
+        }
+        out["runs"].append(run)
+        log(f"[{name}] {label}: chosen {chosen.describe()} ({run['pct_grid']:.1f}% of grid best {best.describe()}), "
+            f"search {search_s:.1f}s grid {grid_s:.1f}s")
+    return out
+
+
+def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
+    la = os.getloadavg()
+    out = ["# Search quality: memplan.search vs an exhaustive measured grid (CPU)", "",
+           f"Command: `{cmd}`", "",
+           f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+           f"- torch {torch.__version__}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+           f"- load average (1/5/15 min) at start: {load_start[0]:.2f} / {load_start[1]:.2f} / {load_start[2]:.2f}",
+           f"- load average at end (or at this write): {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}",
+           f"- fresh MEMPLAN_CACHE_DIR: {_TMP_CACHE}; margin {MARGIN}; search: probe_top=2, default trials (60)",
+           f"- space reduced for search and grid alike: global batch {args.global_batch}, precisions {args.precisions}; "
+           "micro-batch = every divisor of the global batch, checkpoint segments as search builds them",
+           "- the grid is probed once under the generous budget; tight-budget feasibility = measured peak <= tight limit; "
+           "grid cost for both budgets = that grid's wall time",
+           "- the grid ran before the searches, so the searches did not pay the probe server's start (~10 s under load)",
+           ""]
+    if not done:
+        out += ["**PARTIAL: the run had not finished when this was written.**", ""]
+    if skipped:
+        out += [f"Skipped (deadline or failure): {', '.join(skipped)}", ""]
+    out += ["Goals: chosen plan's measured throughput >= 95% of the grid's best feasible; chosen plan's measured peak "
+            "within budget (always); search cost / grid cost <= 20%.", "",
+            "## Summary", "",
+            "| model | budget | feasible (grid) | grid best | chosen | chosen % of best (grid meas.) | % (search's own probe) | "
+            "peak within budget | search s | grid s | cost ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for x in r["runs"]:
+            out.append(
+                f"| {r['name']} | {x['label']} {mb(x['budget'])} (limit {mb(x['limit'])}) | {x['n_feasible']}/{r['space']} | "
+                f"{x['best'].describe()} ({x['best_tp']:.0f}/s) | {x['chosen'].describe()} | {x['pct_grid']:.1f}% | "
+                f"{x['pct_search_probe']:.1f}% | {'yes' if x['within'] else 'NO'} (search probe {mb(x['search_peak'])}, grid {mb(x['grid_peak'])}) | "
+                f"{x['search_s']:.1f} | {r['grid_s']:.1f} | {100 * x['ratio']:.0f}% |")
+    out += ["", "## Details", ""]
+    for r in results:
+        out += [f"### {r['name']}", "",
+                f"Space: {r['space']} configurations (micro {r['micros']}, segments {r['segments']}, {r['precisions']}), "
+                f"global batch {r['global_batch']}.", ""]
+        for x in r["runs"]:
+            out.append(f"- {x['label']}: trials {x['trials']}; probed by search: {x['top_measured']}; "
+                       f"notes: {list(x['notes'])}; tight excludes the {x['excluded_top']} measured-fastest" if x['label'] == 'tight'
+                       else f"- {x['label']}: trials {x['trials']}; probed by search: {x['top_measured']}; notes: {list(x['notes'])}")
+        out += ["", "| config | predicted step s | measured step s | meas/pred | predicted peak | measured peak | status |",
+                "|---|---|---|---|---|---|---|"]
+        for c, g in r["grid"].items():
+            p = r["preds"][c]
+            ratio = f"{g['step_s'] / p.step_time_s:.2f}" if g["step_s"] and p.step_time_s else "-"
+            st = f"{g['step_s']:.4f}" if g["step_s"] else "-"
+            out.append(f"| {c.describe()} | {p.step_time_s:.4f} | {st} | {ratio} | {mb(p.peak_bytes + p.context_bytes)} | "
+                       f"{mb(g['peak'])} | {g['status']} {g['msg'][:50]} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--precisions", default="fp32")
+    ap.add_argument("--deadline-utc", default=None, help="HH:MM; stop starting work after it")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args()
+    cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+    load_start = os.getloadavg()
+    deadline = float("inf")
+    if args.deadline_utc:
+        now = _dt.datetime.now(_dt.timezone.utc)
+        hh, mm = (int(v) for v in args.deadline_utc.split(":"))
+        deadline = now.replace(hour=hh, minute=mm, second=0).timestamp()
+    precisions = tuple(args.precisions.split(","))
+    results, skipped = [], []
+    outp = Path(args.out)
+    for name in args.models.split(","):
+        if time.time() > deadline:
+            skipped.append(name)
+            continue
+        try:
+            results.append(run_model(name, MODELS[name], args.global_batch, precisions, deadline))
+        except Exception as exc:  # noqa: BLE001
+            log(f"[{name}] failed: {type(exc).__name__}: {exc}")
+            skipped.append(f"{name} ({type(exc).__name__}: {str(exc)[:80]})")
+        outp.write_text(render(cmd, load_start, results, args, False, skipped))
+    outp.write_text(render(cmd, load_start, results, args, True, skipped))
+    log(f"wrote {outp}")
+
+
+if __name__ == "__main__":
+    main()
