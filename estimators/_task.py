@@ -36,18 +36,16 @@ from torch.utils.data import Dataset, default_collate
 
 from ._errors import ModelFileError
 
-__all__ = ["Task", "load_task", "default_loss", "default_optimizer"]
+__all__ = ["Task", "load_task", "default_loss", "default_logits_and_targets", "default_optimizer"]
 
 Batch = Any
 
 
-def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Cross-entropy of ``model(inputs)`` against ``targets`` for ``batch = (inputs, targets)``.
-
-    Sequence outputs ``(B, T, C)`` with targets ``(B, T)`` are flattened, as language models
-    need; image-shaped outputs ``(B, C, H, W)`` with targets ``(B, H, W)`` go straight to
-    ``cross_entropy``, which handles them.
-    """
+def default_logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model(inputs)`` and ``targets`` for ``batch = (inputs, targets)``, as the default loss
+    sees them: sequence outputs ``(B, T, C)`` with targets ``(B, T)`` are flattened, as
+    language models need; image-shaped outputs ``(B, C, H, W)`` with targets ``(B, H, W)`` are
+    left for ``cross_entropy``, which handles them. The class dimension is 1."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise ModelFileError(
             "the default loss needs batches of (inputs, targets); define "
@@ -61,7 +59,13 @@ def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
         and tuple(targets.shape) == tuple(out.shape[:-1])
     ):
         out, targets = out.flatten(0, -2), targets.flatten()
-    return F.cross_entropy(out, targets)
+    return out, targets
+
+
+def default_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Cross-entropy of ``model(inputs)`` against ``targets`` (see
+    :func:`default_logits_and_targets` for the shapes it accepts)."""
+    return F.cross_entropy(*default_logits_and_targets(model, batch))
 
 
 def default_optimizer(parameters: Iterable[nn.Parameter], *, lr: float = 1e-3,

@@ -90,7 +90,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, TrainingError, format_size
 from estimators import _checkpoint, _precision
 from estimators._probe import is_oom_error
-from estimators._task import default_loss
+from estimators._task import default_logits_and_targets, default_loss
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
 from ._recovery import RecoveryEvent, free_memory, restore_optimizer, restore_tensors, snapshot_optimizer, snapshot_tensors
@@ -1260,18 +1260,8 @@ def _ladder_configs(ladder: Sequence[Any] | None, config: TrainConfig) -> list[T
 
 
 def _logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The default loss's view of a batch: ``model(inputs)`` and targets, ``(B, T, V)`` outputs
-    flattened to ``(B*T, V)`` as ``estimators._task.default_loss`` does. Class dim is 1."""
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ModelFileError(
-            "the default loss needs batches of (inputs, targets); define "
-            "`def loss(model, batch): ...` in the model file for other batch layouts"
-        )
-    inputs, targets = batch
-    out = model(inputs)
-    if out.dim() >= 3 and targets.dim() == out.dim() - 1 and tuple(targets.shape) == tuple(out.shape[:-1]):
-        out, targets = out.flatten(0, -2), targets.flatten()
-    return out, targets
+    """The default loss's view of a batch (one definition, shared with the estimator)."""
+    return default_logits_and_targets(model, batch)
 
 
 def _batch_len(batch: Batch) -> int:
