@@ -210,6 +210,11 @@ class Estimator:
             return self._prepared[key]
 
     def _raw_trace(self, config: TrainConfig, batch: int) -> Trace:
+        if self.device == "cpu" and batch < WORKSPACE_ANCHORS[0]:
+            # Kernels pick other algorithms below the batch sizes whose workspaces were
+            # measured (oneDNN skips its weight reorders at batch 1): a real, profiled run of
+            # such a small batch is cheap and exact.
+            return trace_step(self.task, config, batch_size=batch, real=True, profile=True)
         if not self._data_dependent:
             try:
                 return trace_step(self.task, config, batch_size=batch)
@@ -354,7 +359,9 @@ class Estimator:
         if key in self._prepared:
             p = self._prepared[key]
             return p, p.method
-        scaling = None if exact else self._scaling_for(config)
+        # Below the smallest anchor the fit would extrapolate into sizes where kernels pick
+        # other algorithms (oneDNN at batch 1): trace such batches themselves.
+        scaling = None if (exact or b < ANCHORS[0]) else self._scaling_for(config)
         if scaling is not None:
             sizes = np.rint(scaling.intercept + scaling.slope * b).astype(np.int64)
             sizes = np.maximum(sizes, 0)
