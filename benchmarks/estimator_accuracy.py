@@ -433,9 +433,12 @@ def render(results: list[dict[str, Any]], failures: list[tuple[str, str]], speed
     L.append(f"- Date: {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}")
     L.append(f"- Machine: {os.cpu_count()} cores ({cpu_model}), torch {torch.__version__}, "
              f"Python {platform.python_version()}, {platform.system()} {platform.machine()}")
+    cores = os.cpu_count() or 1
+    busy = max(load) > cores + 0.5
     L.append(f"- Benchmark wall time: {wall_s / 60:.1f} min; 1-minute load average {load[0]:.1f} at the start, "
-             f"{load[1]:.1f} at the end (on {os.cpu_count()} cores: above {os.cpu_count()} other processes were "
-             "competing for the CPUs and every wall time below is inflated)")
+             f"{load[1]:.1f} at the end on {cores} cores"
+             + (" — other processes were competing for the CPUs, so every wall time below is inflated"
+                if busy else " (the benchmark's own processes use up to 2 threads)"))
     L.append("- Predicted: `Estimator(task, device=\"cpu\").estimate(config).peak_allocated_bytes`, ONE Estimator "
              "per model for all its configs; no batch size of the grid is an anchor (2, 3, 4), so every one "
              "is scaled from the anchor traces (method `scaled`) unless the estimator falls back to real runs "
