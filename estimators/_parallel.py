@@ -1,0 +1,139 @@
+"""Data parallelism, applied the same way when tracing, probing and training.
+
+How a configuration's ``strategy`` maps onto ``torch.distributed``:
+
+* ``ddp``: ``DistributedDataParallel`` with ``gradient_as_bucket_view=True`` (gradients live
+  in the communication buckets, so DDP costs no second copy of them) and the default 25 MB
+  buckets (``bucket_cap_mb``). Accumulation skips gradient sync with ``no_sync()`` until the
+  last micro-batch of a window.
+* ``fsdp``: FSDP2 (``fully_shard``) on a 1-D device mesh: every block of the model's block
+  stack (the same stack activation checkpointing uses) is one unit, then the root module;
+  parameters are resharded after forward (``reshard_after_forward=True``), as torchtitan does.
+  Under ``bf16-mixed``/``fp16-mixed`` the unsharded parameters are gathered in the low
+  precision and gradients are reduced in fp32 (``MixedPrecisionPolicy``); autocast stays on
+  around the forward pass, as in single-device training. Accumulation turns gradient
+  reduction off (``set_requires_gradient_sync(False)``) until the last micro-batch.
+
+Both wrappers are applied after activation checkpointing, which patches block ``forward``
+methods on the instances and so survives wrapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from ._checkpoint import BlockFinder, find_block_stack
+from ._config import Precision, TrainConfig
+from ._precision import autocast_dtype
+
+__all__ = ["DDP_BUCKET_CAP_MB", "fsdp_mp_policy", "apply_fsdp", "apply_ddp", "parallelize", "gradient_sync",
+           "unwrap"]
+
+DDP_BUCKET_CAP_MB = 25
+"""DDP's default bucket size; the first bucket is capped at 1 MB by DDP itself."""
+
+
+def fsdp_mp_policy(precision: Precision | str) -> Any:
+    """The FSDP2 mixed-precision policy of a precision (``None`` for fp32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    precision: Precision | str = "fp32",
+    mesh: Any = None,
+    finder: BlockFinder | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """``fully_shard`` each block of the block stack, then the root; returns the root.
+
+    ``mesh`` defaults to a 1-D mesh over the default process group's ranks on the device of
+    the model's parameters.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        import torch.distributed as dist
+
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    policy = fsdp_mp_policy(precision)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    for block in find_block_stack(model, finder):
+        fully_shard(block, **kwargs)
+    # The root keeps what the blocks do not hold (embeddings, heads, norms); it is not
+    # resharded after forward because backward needs it first (torchtitan does the same).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return model
+
+
+def apply_ddp(model: nn.Module, *, device_ids: list[int] | None = None, **kwargs: Any) -> nn.Module:
+    """``DistributedDataParallel`` with gradients as bucket views and default buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    options: dict[str, Any] = {"gradient_as_bucket_view": True, "bucket_cap_mb": DDP_BUCKET_CAP_MB}
+    options.update(kwargs)
+    return DistributedDataParallel(model, device_ids=device_ids, **options)
+
+
+def parallelize(
+    model: nn.Module,
+    config: TrainConfig,
+    *,
+    finder: BlockFinder | None = None,
+    device_ids: list[int] | None = None,
+    mesh: Any = None,
+) -> nn.Module:
+    """Wrap ``model`` for ``config.strategy`` (a no-op for ``single``); needs an initialised
+    default process group for ``ddp`` and ``fsdp``."""
+    if config.strategy == "single":
+        return model
+    if config.strategy == "ddp":
+        return apply_ddp(model, device_ids=device_ids)
+    return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within the block, gradients are (``enabled``) or are not reduced across ranks.
+
+    Accumulation runs every micro-batch but the last of a window with ``enabled=False``.
+    """
+    if enabled:
+        yield
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is None:  # single device: nothing to skip
+        yield
+        return
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(True)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 modifies the module in place)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
