@@ -108,6 +108,14 @@ class Plan:
         return self.best.config
 
     @property
+    def launch(self) -> dict[str, int]:
+        """What running the chosen configuration needs: processes per node and nodes
+        (``torchrun --nproc-per-node … --nnodes …``; one process for single-device plans)."""
+        c = self.config
+        nodes = getattr(c, "nodes", 1)
+        return {"nproc_per_node": c.world_size // nodes, "nnodes": nodes}
+
+    @property
     def headroom_bytes(self) -> int:
         return self.budget_bytes - self.best.peak_bytes
 
@@ -121,7 +129,9 @@ class Plan:
         above = next((e for e in self.entries if e.config == current), self.best)
         rungs: list[PlanEntry] = []
         limit = above.peak_bytes
-        candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current]
+        # Same global batch, and the same processes: the ranks of a run cannot change.
+        candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current
+                      and e.config.strategy == current.strategy and e.config.world_size == current.world_size]
         while True:
             lower = [e for e in candidates if e.peak_bytes < limit and e not in rungs]
             if not lower:
@@ -141,6 +151,7 @@ class Plan:
             "global_batch": self.global_batch,
             "trials": self.trials,
             "headroom_bytes": self.headroom_bytes,
+            "launch": self.launch,
             "provenance": dict(self.provenance),
             "notes": list(self.notes),
             "entries": [e.to_dict() for e in self.entries],

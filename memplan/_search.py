@@ -32,7 +32,7 @@ from estimators._checkpoint import max_checkpoint_segments
 from estimators._config import Precision
 
 from ._plan import Plan, PlanEntry, provenance
-from ._space import SearchSpace, build_space
+from ._space import SearchSpace, build_space, layouts_for
 
 __all__ = ["search", "resolve_task", "estimator_for", "default_budget", "default_storage"]
 
@@ -115,7 +115,7 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
     key = "|".join(str(x) for x in (
         task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
         budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
-        space.checkpoint_segments, torch.__version__,
+        space.checkpoint_segments, tuple(layout.key for layout in space.layouts), torch.__version__,
     ))
     return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -137,6 +137,9 @@ def search(
     max_micro_batch: int | None = None,
     progress: bool = False,
     probe_fn: ProbeFn | None = None,
+    gpus: int = 1,
+    nodes: int = 1,
+    strategies: Sequence[str] | None = None,
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -146,6 +149,11 @@ def search(
     ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
     with real steps when the target is the device at hand (not for a ``gpu=`` card that is
     absent). Raises :class:`NoFeasiblePlanError` when nothing fits.
+
+    ``gpus`` devices per node on ``nodes`` machines: one device searches single-device
+    training; more search DDP and FSDP2 over all of them (``strategies`` narrows that), with
+    ``vram`` the budget of each device and the global batch split over the ranks. Distributed
+    configurations are ranked by prediction (a probe runs one process).
 
     >>> plan = search("examples/digits.py", vram="1GB", trials=20)   # doctest: +SKIP
     >>> plan.config.micro_batch_size                                  # doctest: +SKIP
@@ -172,6 +180,7 @@ def search(
         precisions=_precisions(estimator, precisions),
         max_segments=max_checkpoint_segments(blocks_model, task.checkpoint_blocks),
         max_micro_batch=max_micro_batch,
+        layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
     )
 
     cache: dict[TrainConfig, Estimate] = {}
@@ -203,14 +212,16 @@ def search(
     done = {est.config for est in cache.values()}
     for corner in space.smallest():
         if corner not in done:
-            study.enqueue_trial({"micro_batch_size": corner.micro_batch_size, "precision": corner.precision,
-                                 "checkpoint_segments": corner.checkpoint_segments}, skip_if_exists=True)
+            study.enqueue_trial({"layout": _layout_key(corner), "micro_batch_size": corner.micro_batch_size,
+                                 "precision": corner.precision, "checkpoint_segments": corner.checkpoint_segments},
+                                skip_if_exists=True)
 
     def objective(trial: optuna.Trial) -> float:
+        layout = trial.suggest_categorical("layout", [layout.key for layout in space.layouts])
         micro = trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes))
         precision = trial.suggest_categorical("precision", list(space.precisions))
         segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
-        config = space.config(int(micro), str(precision), int(segments))
+        config = space.config(int(micro), str(precision), int(segments), str(layout))
         est = evaluate(config)
         need = est.peak_bytes + est.context_bytes
         trial.set_user_attr("estimate", est.to_dict())
@@ -235,7 +246,9 @@ def search(
     notes: list[str] = []
     if interrupted:
         notes.append("search interrupted; plan built from the trials completed so far")
-    if probe_top > 0 and _can_probe(estimator, gpu):
+    if any(e.config.strategy != "single" for e in entries):
+        notes.append("distributed configurations are ranked by prediction: a probe runs one process")
+    if probe_top > 0 and _can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
         entries, probe_notes = _probe_best(task, estimator, entries, probe_top, limit, probe_fn)
         notes.extend(probe_notes)
         if not entries:
@@ -252,6 +265,11 @@ def search(
                               source_hash=task.source_hash, source_path=task.source_path),
         notes=tuple(notes),
     )
+
+
+def _layout_key(config: TrainConfig) -> str:
+    from ._space import Layout
+    return Layout(config.strategy, config.world_size, getattr(config, "nodes", 1)).key
 
 
 def _meta_model(task: Task) -> nn.Module:
@@ -319,8 +337,13 @@ def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estim
     if nearest.context_bytes:
         detail += f", CUDA context {format_size(nearest.context_bytes)}"
     card = math.ceil(need / (1 - (1 - limit / budget)) / 1e9)
-    hints = [f"a card with >= {card} GB" if estimator.device == "cuda" else f"--vram {card}GB or more",
-             "FSDP over 2 GPUs", "a smaller model"]
+    hints = [f"a card with >= {card} GB" if estimator.device == "cuda" else f"--vram {card}GB or more"]
+    if nearest.config.strategy == "fsdp":
+        hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
+    else:
+        # FSDP2 shards parameters, gradients and optimizer state over the ranks.
+        hints.append(f"FSDP over {max(2, 2 * nearest.config.world_size)} devices (--gpus {max(2, 2 * nearest.config.world_size)})")
+    hints.append("a smaller model")
     what = "nothing fits" if not measured else "nothing that was probed fits"
     return NoFeasiblePlanError(
         f"{what} in {format_size(budget)} (keeping {format_size(budget - limit)} free); the smallest plan "

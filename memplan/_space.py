@@ -6,12 +6,28 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from estimators import ConfigError, TrainConfig
-from estimators._config import Precision
+from estimators._config import Precision, Strategy
 
-__all__ = ["SearchSpace", "build_space"]
+__all__ = ["Layout", "SearchSpace", "build_space", "layouts_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the work is spread: a strategy on ``world_size`` processes over ``nodes`` machines."""
+
+    strategy: Strategy = "single"
+    world_size: int = 1
+    nodes: int = 1
+
+    @property
+    def key(self) -> str:
+        """The layout's name in the Optuna study ("single", "ddp x8", "fsdp x16 on 2 nodes")."""
+        if self.strategy == "single":
+            return "single"
+        return f"{self.strategy} x{self.world_size}" + (f" on {self.nodes} nodes" if self.nodes > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -21,33 +37,51 @@ class SearchSpace:
     checkpoint_segments: tuple[int, ...]
     global_batch: int | None
     """Fixed global batch (micro × accumulation × world); None means the batch is searched."""
-    world_size: int = 1
+    layouts: tuple[Layout, ...] = (Layout(),)
+    """Strategies × world sizes searched; every micro-batch size is valid for each of them."""
 
-    def accum_for(self, micro: int) -> int:
+    @property
+    def world_size(self) -> int:
+        return max(layout.world_size for layout in self.layouts)
+
+    def accum_for(self, micro: int, world_size: int = 1) -> int:
         if self.global_batch is None:
             return 1  # accumulation only repeats work when the global batch is free
-        return self.global_batch // (micro * self.world_size)
+        return self.global_batch // (micro * world_size)
 
-    def config(self, micro: int, precision: str, segments: int) -> TrainConfig:
+    def layout(self, key: str) -> Layout:
+        return next(layout for layout in self.layouts if layout.key == key)
+
+    def config(self, micro: int, precision: str, segments: int, layout: Layout | str | None = None) -> TrainConfig:
+        if layout is None:
+            layout = self.layouts[0]
+        elif isinstance(layout, str):
+            layout = self.layout(layout)
+        # ``nodes`` only matters beyond one machine; single-node configs keep the default.
+        extra = {"nodes": layout.nodes} if layout.nodes > 1 else {}
         return TrainConfig(
-            micro_batch_size=micro, grad_accum_steps=self.accum_for(micro),
+            micro_batch_size=micro, grad_accum_steps=self.accum_for(micro, layout.world_size),
             precision=precision, checkpoint_segments=segments,
+            strategy=layout.strategy, world_size=layout.world_size, **extra,
         )
 
     def __len__(self) -> int:
-        return len(self.micro_batch_sizes) * len(self.precisions) * len(self.checkpoint_segments)
+        return (len(self.micro_batch_sizes) * len(self.precisions) * len(self.checkpoint_segments)
+                * len(self.layouts))
 
     def __iter__(self) -> Iterator[TrainConfig]:
-        for m in self.micro_batch_sizes:
-            for p in self.precisions:
-                for s in self.checkpoint_segments:
-                    yield self.config(m, p, s)
+        for layout in self.layouts:
+            for m in self.micro_batch_sizes:
+                for p in self.precisions:
+                    for s in self.checkpoint_segments:
+                        yield self.config(m, p, s, layout)
 
     def smallest(self) -> list[TrainConfig]:
-        """Corners most likely to need the least memory (the nearest miss when nothing fits)."""
+        """Corners most likely to need the least memory (the nearest miss when nothing fits):
+        the smallest micro-batch, every block checkpointed, each precision and layout."""
         m = self.micro_batch_sizes[0]
         s = self.checkpoint_segments[-1]
-        return [self.config(m, p, s) for p in self.precisions]
+        return [self.config(m, p, s, layout) for layout in self.layouts for p in self.precisions]
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -71,8 +105,9 @@ def build_space(
     precisions: tuple[Precision, ...],
     max_segments: int,
     max_micro_batch: int | None = None,
-    world_size: int = 1,
+    layouts: tuple[Layout, ...] = (Layout(),),
 ) -> SearchSpace:
+    world_size = max(layout.world_size for layout in layouts)
     limit = MAX_KERNEL_BATCH
     if dataset_size:
         limit = min(limit, dataset_size)
@@ -89,4 +124,30 @@ def build_space(
         micros = _powers_of_two(limit)
     if not micros:
         raise ConfigError("no micro-batch size fits the dataset; check train_data() and --global-batch")
-    return SearchSpace(tuple(micros), precisions, _segment_choices(max_segments), global_batch, world_size)
+    return SearchSpace(tuple(micros), precisions, _segment_choices(max_segments), global_batch, layouts)
+
+
+def layouts_for(gpus: int = 1, nodes: int = 1, strategies: tuple[Strategy, ...] | None = None) -> tuple[Layout, ...]:
+    """The layouts searched for ``gpus`` devices per node on ``nodes`` machines.
+
+    One device: single-device training. More: DDP and FSDP2 over all of them — a plan for
+    eight GPUs uses the eight (fewer would only be slower at the same global batch), and the
+    two engines trade memory (FSDP2 shards parameters, gradients and optimizer state)
+    against communication (DDP all-reduces gradients once, FSDP2 gathers parameters twice).
+    """
+    for name, value in (("--gpus", gpus), ("--nodes", nodes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+    world = gpus * nodes
+    wanted = strategies or (("single",) if world == 1 else ("ddp", "fsdp"))
+    out = []
+    for strategy in wanted:
+        if strategy not in ("single", "ddp", "fsdp"):
+            raise ConfigError(f"unknown strategy {strategy!r}; use single, ddp or fsdp")
+        if strategy == "single":
+            if world > 1:
+                raise ConfigError(f"strategy single runs on one device, but {world} were asked for; use ddp or fsdp")
+            out.append(Layout())
+        else:
+            out.append(Layout(strategy, world, nodes))
+    return tuple(out)

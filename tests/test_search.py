@@ -120,3 +120,52 @@ def test_probes_rank_measured_first_and_drop_ooms():
     assert calls[0] not in [e.config for e in plan.entries]  # the OOM is dropped
     assert plan.best.measured is not None and plan.best.config == calls[1]
     assert any("ran out of memory" in n for n in plan.notes)
+
+
+def test_layouts_for_devices_and_nodes():
+    from memplan._space import layouts_for
+    assert [lay.key for lay in layouts_for()] == ["single"]
+    assert [lay.key for lay in layouts_for(8)] == ["ddp x8", "fsdp x8"]
+    assert [lay.key for lay in layouts_for(8, 2, ("fsdp",))] == ["fsdp x16 on 2 nodes"]
+    from estimators import ConfigError
+    with pytest.raises(ConfigError, match="--gpus must be"):
+        layouts_for(0)
+    with pytest.raises(ConfigError, match="single runs on one device"):
+        layouts_for(2, strategies=("single",))
+
+
+def test_space_splits_the_fixed_global_batch_over_the_ranks():
+    from memplan._space import layouts_for
+    space = build_space(dataset_size=1000, global_batch=32, precisions=("fp32",), max_segments=0,
+                        layouts=layouts_for(4))
+    # Every micro-batch size is valid for every layout: micro x accumulation x 4 ranks = 32.
+    assert space.micro_batch_sizes == (1, 2, 4, 8)
+    configs = list(space)
+    assert {c.strategy for c in configs} == {"ddp", "fsdp"} and {c.world_size for c in configs} == {4}
+    assert all(c.global_batch == 32 for c in configs)
+    assert len(configs) == len(space) == 8
+    with pytest.raises(Exception, match="does not divide over 4 processes"):
+        build_space(dataset_size=1000, global_batch=30, precisions=("fp32",), max_segments=0, layouts=layouts_for(4))
+
+
+def test_ladder_keeps_strategy_and_world_size_and_plan_says_how_to_launch():
+    from estimators import Estimate
+    from memplan import PlanEntry
+
+    def entry(micro: int, strategy: str, world: int, peak: int, speed: float) -> PlanEntry:
+        config = TrainConfig(micro_batch_size=micro, grad_accum_steps=8 // (micro * world), strategy=strategy,
+                             world_size=world)
+        est = Estimate(step_time_s=8 / speed, samples_per_s=speed, config=config, device="cuda", gpu="A100-80GB",
+                       peak_allocated_bytes=peak, peak_reserved_bytes=peak, breakdown={}, peak_phase="forward",
+                       context_bytes=0, workspace_bytes=0, method="traced", modelled=True, params=1,
+                       trainable_params=1, notes=())
+        return PlanEntry(config=config, predicted=est)
+
+    entries = (entry(4, "ddp", 2, 900, 100.0), entry(4, "fsdp", 2, 500, 90.0), entry(2, "ddp", 2, 600, 80.0),
+               entry(1, "ddp", 2, 400, 70.0), entry(8, "single", 1, 300, 60.0))
+    plan = Plan(entries=entries, budget_bytes=1000, margin=0.1, device="cuda", gpu="A100-80GB", global_batch=8,
+                trials=5)
+    rungs = [e.config for e in plan.ladder()]
+    assert rungs == [entries[2].config, entries[3].config]  # never fsdp, never single
+    assert plan.launch == {"nproc_per_node": 2, "nnodes": 1}
+    assert Plan.from_dict(plan.to_dict()).launch == plan.launch
