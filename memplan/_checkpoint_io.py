@@ -8,6 +8,12 @@ rename itself survives a power loss on file systems that need it (ext4 without `
 
 Checkpoints hold only tensors, numbers, strings, lists, tuples and dicts, so that
 ``torch.load(path)`` with its safe default (``weights_only=True``) reads them.
+
+FSDP2 runs keep their sharded tensors in a ``torch.distributed.checkpoint`` folder instead
+(:func:`save_sharded`): every rank writes its shards into a temporary folder, which is renamed
+when all are done; the small ``checkpoint.pt`` written after it names the folder, so the rename
+of ``checkpoint.pt`` stays the one moment a new checkpoint becomes the current one. On several
+machines the output folder must be on a file system that all of them share.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "SHARDED_DIR", "save_sharded", "load_sharded", "remove_stale_sharded"]
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
@@ -69,3 +75,57 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints (FSDP2): torch.distributed.checkpoint
+# ----------------------------------------------------------------------------------------------
+
+SHARDED_DIR = "checkpoint-dcp"
+"""The folder beside ``checkpoint.pt`` that holds FSDP2 runs' sharded tensors, one subfolder per
+checkpoint; ``checkpoint.pt`` names the current one."""
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str], *,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Every rank writes its shards of the model, the optimizer state and ``extra`` (dicts of
+    tensors, e.g. EMA weights) into the folder ``path`` with ``torch.distributed.checkpoint``
+    (a collective: all ranks call it). Keys are parameter names, so the folder loads into any
+    layout: another world size, or a plain module in one process (:func:`load_sharded`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state, **(extra or {})}, checkpoint_id=Path(path))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str], *,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Load a folder written by :func:`save_sharded` into ``model`` and ``optimizer`` (and, in
+    place, the tensors of ``extra``), resharded to their layout. Without a process group it
+    loads in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    target = Path(path)
+    if not target.is_dir():
+        raise FileNotFoundError(f"sharded checkpoint folder {target} is missing")
+    # get_state_dict creates the optimizer's state (with a zero learning rate) so that DCP has
+    # tensors of the right shapes to load into.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state, **(extra or {})}
+    dcp.load(state, checkpoint_id=target)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def remove_stale_sharded(root: str | os.PathLike[str], *, keep: str) -> None:
+    """Delete the sharded checkpoints in ``root`` other than ``keep`` (and left-over temporary
+    folders), once ``checkpoint.pt`` points at ``keep``."""
+    import shutil
+
+    folder = Path(root)
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if entry.is_dir() and entry.name != keep:
+            shutil.rmtree(entry, ignore_errors=True)

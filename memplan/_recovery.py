@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 import torch
@@ -26,7 +29,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from estimators import ConfigError, TrainingError
 from estimators._probe import is_oom_error
 
-__all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent"]
+__all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
+           "DistributedOOM"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,6 +85,61 @@ class RecoveryEvent:
         return {"event": "oom_recovery", "step": self.step, "phase": self.phase,
                 "from": self.from_config, "to": self.to_config,
                 "peak_at_failure": self.peak_at_failure, "seconds": self.seconds, "error": self.error}
+
+
+class DistributedOOM(TrainingError):
+    """A rank of a distributed run ran out of memory and left; the launcher recovers (see
+    :mod:`memplan._launch`) from the :class:`OOMRecord` it wrote."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OOMRecord:
+    """What a rank that ran out of memory leaves for the launcher: a small JSON file in the run's
+    folder, ``oom-rank<R>.json``. Files, not a collective: the other ranks may be blocked in a
+    collective that will never complete, so nothing can be agreed among them after the fact;
+    the launcher reads every record once all ranks have exited and decides for all of them."""
+
+    rank: int
+    step: int
+    """The optimizer step that failed (1-based, as logged)."""
+    phase: str
+    config: dict[str, Any]
+    peak_at_failure: int | None
+    budget: int | None
+    error: str
+    time: float
+    """``time.time()`` of the failure (recovery time is measured from it)."""
+    resume_step: int | None
+    """The step the relaunched run resumes from (None: from scratch)."""
+    window_start_checkpoint: bool
+    """A checkpoint of the failed window's start was written (DDP): nothing is lost."""
+
+    @staticmethod
+    def path(out_dir: str | os.PathLike[str], rank: int) -> Path:
+        return Path(out_dir) / f"oom-rank{rank}.json"
+
+    def write(self, out_dir: str | os.PathLike[str]) -> Path:
+        target = self.path(out_dir, self.rank)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, target)
+        return target
+
+    @classmethod
+    def read_all(cls, out_dir: str | os.PathLike[str]) -> list[OOMRecord]:
+        """Every rank's record in ``out_dir``, earliest failure first."""
+        records = []
+        for f in sorted(Path(out_dir).glob("oom-rank*.json")):
+            try:
+                records.append(cls(**json.loads(f.read_text())))
+            except (ValueError, TypeError):
+                continue  # half-written by a rank killed while writing: the others tell the story
+        return sorted(records, key=lambda r: r.time)
+
+    @staticmethod
+    def clear(out_dir: str | os.PathLike[str]) -> None:
+        for f in Path(out_dir).glob("oom-rank*.json"):
+            f.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------

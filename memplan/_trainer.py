@@ -78,25 +78,29 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, NoReturn, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, TrainingError, format_size
-from estimators import _checkpoint, _precision
+from estimators import _checkpoint, _parallel, _precision
 from estimators._probe import is_oom_error
 from estimators._task import default_logits_and_targets, default_loss
 
-from ._checkpoint_io import load_checkpoint, save_checkpoint
-from ._recovery import RecoveryEvent, free_memory, restore_optimizer, restore_tensors, snapshot_optimizer, snapshot_tensors
+from ._checkpoint_io import SHARDED_DIR, load_checkpoint, load_sharded, remove_stale_sharded, save_checkpoint, save_sharded
+from ._recovery import (
+    DistributedOOM, OOMRecord, RecoveryEvent, free_memory, restore_optimizer, restore_tensors, snapshot_optimizer,
+    snapshot_tensors,
+)
 from ._schedules import SCHEDULES, LRSchedule, ScheduleName, make_schedule
 
-__all__ = ["TrainOptions", "TrainResult", "Trainer", "train", "epoch_permutation"]
+__all__ = ["TrainOptions", "TrainResult", "Trainer", "train", "epoch_permutation", "epoch_items", "DistributedOOM"]
 
 log = logging.getLogger("memplan.trainer")
 
@@ -269,31 +273,66 @@ def train(
 # ----------------------------------------------------------------------------------------------
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order of the ``n`` training items in ``epoch``: a pure function of ``(seed, epoch)``."""
-    g = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+    """The order of the ``n`` training items in ``epoch``: a pure function of ``(seed, epoch)``,
+    and the very permutation ``DistributedSampler(shuffle=True, seed=seed)`` draws after
+    ``set_epoch(epoch)`` -- so that a distributed run and a single-process run see one order."""
+    g = torch.Generator().manual_seed(int(seed) + int(epoch))
     return torch.randperm(n, generator=g)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
-    # Any injective-enough mix works; it must not depend on anything but (seed, epoch).
+    # The DataLoader's worker base seed; any injective-enough mix of (seed, epoch) works.
     return (int(seed) * 1_000_003 + int(epoch) * 7_919 + 12_345) % (2**63 - 1)
 
 
-class _EpochBatches:
-    """DataLoader batch sampler: the micro-batches of one epoch from a sample offset on.
+def _window_seed(seed: int, step: int, rank: int) -> int:
+    """The torch RNG seed of a distributed window: a pure function of (seed, step, rank), so
+    that every rank draws its own dropout masks, a replayed window draws the same ones, and no
+    checkpoint needs every rank's RNG state."""
+    return (int(seed) * 1_000_003 + int(step) * 104_729 + int(rank) * 15_485_863 + 7) % (2**63 - 1)
 
-    Set the position with :meth:`set_position` *before* each ``iter(loader)``; the sampler is
-    read in the main process, so this works with persistent workers too.
+
+def epoch_items(n: int, world_size: int) -> int:
+    """Items of an epoch that are trained on: all of them on one process; with ``world_size``
+    ranks the last ``n % world_size`` of the permutation are dropped, as
+    ``DistributedSampler(drop_last=True)`` does, so that every rank has as many samples in every
+    window (and every rank runs as many forward passes: none waits alone in a collective)."""
+    return n if world_size == 1 else n - n % world_size
+
+
+class _EpochBatches:
+    """DataLoader batch sampler: this rank's micro-batches of one epoch from a sample offset on.
+
+    The epoch's permutation is cut into windows of ``global_batch`` consecutive items (the last
+    one may be short); rank ``r`` of ``world_size`` takes the window's positions ``r::world_size``
+    -- exactly the items ``DistributedSampler`` gives it -- and cuts them into micro-batches. With
+    one process this is the window itself. Set the position with :meth:`set_position` *before*
+    each ``iter(loader)``; the sampler is read in the main process, so this works with
+    persistent workers too.
     """
 
-    def __init__(self, n: int, micro_batch_size: int, seed: int) -> None:
+    def __init__(self, n: int, micro_batch_size: int, seed: int, *, global_batch: int,
+                 rank: int = 0, world_size: int = 1) -> None:
         self.n, self.micro, self.seed = n, micro_batch_size, seed
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        self.n_epoch = epoch_items(n, world_size)
         self.slices: list[list[int]] = []
 
-    def set_position(self, epoch: int, start: int) -> list[list[int]]:
-        order = epoch_permutation(self.n, self.seed, epoch)[start:].tolist()
-        self.slices = [order[i:i + self.micro] for i in range(0, len(order), self.micro)]
-        return self.slices
+    def windows(self, epoch: int, start: int) -> list[_Window]:
+        """The windows of ``epoch`` from sample offset ``start`` on, with this rank's share."""
+        order = epoch_permutation(self.n, self.seed, epoch).tolist()
+        out: list[_Window] = []
+        for begin in range(start, self.n_epoch, self.global_batch):
+            chunk = order[begin:min(begin + self.global_batch, self.n_epoch)]
+            mine = chunk[self.rank::self.world_size]
+            micro = [mine[i:i + self.micro] for i in range(0, len(mine), self.micro)]
+            out.append(_Window(epoch=epoch, start=begin, micro_indices=micro, n_total=len(chunk)))
+        return out
+
+    def set_position(self, epoch: int, start: int) -> list[_Window]:
+        windows = self.windows(epoch, start)
+        self.slices = [m for w in windows for m in w.micro_indices]
+        return windows
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.slices)
@@ -304,30 +343,37 @@ class _EpochBatches:
 
 @dataclass(frozen=True)
 class _Window:
-    """One optimizer step's worth of data: the dataset indices of each micro-batch.
+    """One optimizer step's worth of data: the dataset indices of each of this rank's micro-batches.
 
-    A window is the unit that OOM recovery will replay: its indices identify the samples, so it
-    can be re-cut into micro-batches of another size (same global batch) and run again.
+    A window is the unit that OOM recovery replays: its indices identify the samples, so it can
+    be re-cut into micro-batches of another size (same global batch) and run again.
     """
 
     epoch: int
     start: int
     """Offset of the window's first sample in the epoch's permutation."""
     micro_indices: list[list[int]]
+    n_total: int = -1
+    """Samples of the window over all ranks (-1: this rank's, i.e. one process)."""
 
     @property
     def n_items(self) -> int:
+        """This rank's samples."""
         return sum(len(m) for m in self.micro_indices)
 
     @property
+    def global_items(self) -> int:
+        return self.n_total if self.n_total >= 0 else self.n_items
+
+    @property
     def end(self) -> int:
-        return self.start + self.n_items
+        return self.start + self.global_items
 
     def recut(self, micro_batch_size: int) -> _Window:
         """The same samples in micro-batches of another size (same global batch)."""
         flat = [i for m in self.micro_indices for i in m]
         micro = [flat[k:k + micro_batch_size] for k in range(0, len(flat), micro_batch_size)]
-        return _Window(epoch=self.epoch, start=self.start, micro_indices=micro)
+        return _Window(epoch=self.epoch, start=self.start, micro_indices=micro, n_total=self.n_total)
 
 
 @dataclass
@@ -389,22 +435,42 @@ _UNDO_STEPS = 2
 
 
 class Trainer:
-    """Single-device trainer for one :class:`TrainConfig` (DDP/FSDP come later).
+    """Trainer for one :class:`TrainConfig`: one device, or one rank of a DDP/FSDP2 run.
 
     After :meth:`run`, ``self.model`` holds the written weights (best or final, EMA if on).
     ``memory_guard`` is entered around the run (model, optimizer, every step; not the dataset), so that a
     CPU memory budget covers what the estimate covers; its ``peak_bytes`` attribute, if it has
     one, is reported as the measured peak.
+
+    ``strategy="ddp"``/``"fsdp"`` need the default process group to be initialised with
+    ``config.world_size`` ranks (``memplan train --nproc N`` does it, see :mod:`memplan._launch`).
+    Each rank trains its share of every window; rank 0 alone writes the log, the progress bar,
+    the summary and the weights. An OOM on any rank is not recovered in-process (the other ranks
+    are blocked in, or heading for, a collective): the rank writes an OOM record -- and, under
+    DDP, a checkpoint of the window's start -- to ``out_dir`` and raises
+    :class:`DistributedOOM`; the launcher chooses the next rung and starts every rank again.
+    ``recovery_state`` is how it hands its decision over (``{"recoveries": [...], "tried":
+    [...]}``): the run keeps ``config`` instead of switching back to the checkpoint's.
     """
 
     def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *,
                  memory_guard: ContextManager[Any] | None = None,
-                 ladder: Sequence[Any] | None = None) -> None:
-        if config.strategy != "single" or config.world_size != 1:
-            raise ConfigError(
-                f"the built-in trainer runs one device for now; got strategy {config.strategy!r} "
-                f"x{config.world_size}; use TrainConfig(strategy='single', world_size=1)"
-            )
+                 ladder: Sequence[Any] | None = None,
+                 recovery_state: Mapping[str, Any] | None = None) -> None:
+        self.rank, self.world_size = 0, 1
+        if config.strategy != "single":
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ConfigError(
+                    f"strategy {config.strategy!r} x{config.world_size} runs one process per device; launch it "
+                    f"with memplan train MODEL.py --plan plan.json --nproc {config.world_size} (or torchrun), "
+                    "or use TrainConfig(strategy='single', world_size=1)"
+                )
+            if dist.get_world_size() != config.world_size:
+                raise ConfigError(
+                    f"the configuration needs {config.world_size} processes but {dist.get_world_size()} were "
+                    f"launched; launch {config.world_size} (e.g. --nproc {config.world_size})"
+                )
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if task.train_data is None:
             raise ModelFileError(f"{task.name}: define train_data() to train")
         if options.label_smoothing and task.loss_fn is not default_loss:
@@ -437,6 +503,16 @@ class Trainer:
         self.recoveries: list[dict[str, Any]] = []
         self._tried: list[TrainConfig] = [config]
         self._phase = "setup"
+        self._decided = dict(recovery_state) if recovery_state is not None else None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or self.config.strategy != "single"
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that logs and writes files."""
+        return self.rank == 0
 
     # -- the run, top to bottom ------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -448,11 +524,16 @@ class Trainer:
             self._set_phase("setup")
             self._setup()
             resumed_from = self._resume() if self.options.resume else None
-            self._metrics_file = open(self.metrics_path, "a" if resumed_from is not None else "w")
+            # Rank 0 alone writes the log; the others write to nowhere.
+            self._metrics_file = (open(self.metrics_path, "a" if resumed_from is not None else "w")
+                                  if self.is_main else open(os.devnull, "w"))
             self._bar = self._progress_bar()
             try:
                 if resumed_from is not None:
                     self._log({"type": "resume", "step": self.step, "epoch": self.epoch})
+                self._log_decided_recovery()
+                if self._pending_evaluation:
+                    self._evaluate_and_track()  # the evaluation an OOM interrupted before the relaunch
                 interrupted = self._train_loop()
                 if not interrupted:
                     self._finish_evaluation()
@@ -463,7 +544,8 @@ class Trainer:
                 self._metrics_file.close()
             wall_s = time.perf_counter() - t0
             summary = self._summary(wall_s, interrupted, resumed_from)
-        _write_json_atomic(self.out_dir / "summary.json", summary)
+        if self.is_main:
+            _write_json_atomic(self.out_dir / "summary.json", summary)
         if interrupted:
             log.warning("stopped by %s at step %d; checkpoint %s resumes it (resume=True)",
                         self._stop_signal, self.step, self.checkpoint_path)
@@ -494,7 +576,9 @@ class Trainer:
                     # windows ahead were cut for the old one; cut them anew from here.
                     windows.close()
                     windows = self._windows()
-                if self._stop_signal is not None:
+                if self._agree_stop():
+                    if self._stop_signal is None:
+                        self._stop_signal = "peer"  # another rank got the signal first
                     return True
         finally:
             windows.close()  # let go of the half-read epoch's DataLoader iterator
@@ -512,7 +596,10 @@ class Trainer:
         self.n_train = len(dataset)  # type: ignore[arg-type]
         if self.n_train == 0:
             raise ModelFileError(f"{task.name}: train_data() is empty; it must hold at least one item")
-        self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed)
+        if self.n_train < self.world_size:
+            raise ConfigError(f"{task.name}: {self.n_train} training items cannot be shared by {self.world_size} ranks")
+        self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed,
+                                     global_batch=config.global_batch, rank=self.rank, world_size=self.world_size)
         # The loader's own generator: DataLoader draws its worker base seed from it at every
         # iter(); drawing from the global RNG instead would shift dropout after a resume.
         self._loader_generator = torch.Generator()
@@ -531,21 +618,29 @@ class Trainer:
         self.model = model.to(self.device)
         self.model.train()
         _checkpoint.apply_checkpointing(self.model, config.checkpoint_segments, task.checkpoint_blocks)
+        # DDP/FSDP2 through the helper the estimator traces with, after checkpointing (as traced).
+        # ``self.model`` stays the user's module (FSDP2 shards it in place; DDP wraps it): state
+        # dicts, evaluation and EMA use it; ``forward_model`` is what the training step calls.
+        device_ids = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
+        wrapped = _parallel.parallelize(self.model, config, finder=task.checkpoint_blocks, device_ids=device_ids)
+        self.model = _parallel.unwrap(wrapped)
         # The compiled module shares the parameters; state dicts are taken from the plain one so
         # that their keys do not depend on whether the run was compiled.
-        self.forward_model: nn.Module = torch.compile(self.model) if opts.compile else self.model  # type: ignore[assignment]
+        self._wrapped = wrapped
+        self.forward_model: nn.Module = torch.compile(wrapped) if opts.compile else wrapped  # type: ignore[assignment]
 
+        # After sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold.
         self.optimizer = task.make_optimizer(self.model)
         lr = opts.lr if opts.lr is not None else task.settings.get("lr")
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = float(lr)
-        self.scaler = _precision.make_grad_scaler(config.precision, self.device.type)
+        self.scaler = self._make_scaler(config.precision)
         self.ema = _EMA(self.model, opts.ema_decay) if opts.ema_decay is not None else None
         self._loss_fn = self._training_loss()
 
         # Length of the run, in optimizer steps (windows).
-        self.steps_per_epoch = math.ceil(self.n_train / config.global_batch)
+        self.steps_per_epoch = math.ceil(self.sampler.n_epoch / config.global_batch)
         epochs, max_steps = opts.epochs, opts.max_steps
         if epochs is None and max_steps is None:
             epochs = task.settings.get("epochs")
@@ -580,9 +675,20 @@ class Trainer:
         self.last_eval_step: int | None = None
         self.last_train_loss: float | None = None
         self.last_checkpoint_step: int | None = None
+        self._pending_evaluation = False
         # This process only.
         self._throughput: list[tuple[int, float]] = []
         self._nvml: Any = None
+
+    def _make_scaler(self, precision: str) -> Any:
+        scaler = _precision.make_grad_scaler(precision, self.device.type)
+        if scaler is not None and self.config.strategy == "fsdp":
+            # Every rank sees only its gradient shards: the sharded scaler all-reduces whether
+            # any rank found inf/NaN, so that all of them skip (or take) the same step.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(self.device.type)
+        return scaler
 
     def _training_loss(self) -> Callable[[nn.Module, Batch], torch.Tensor]:
         smoothing = self.options.label_smoothing
@@ -629,8 +735,10 @@ class Trainer:
     def _val_loader_for(self, data: Dataset) -> DataLoader:
         # Validation needs no gradients, so the training micro-batch always fits. Its own
         # generator: evaluating must not move anything the training data order depends on.
+        # Distributed: rank r evaluates items r::W (every item once; sums are all-reduced).
+        sampler = None if self.world_size == 1 else list(range(self.rank, len(data), self.world_size))  # type: ignore[arg-type]
         return self._make_loader(data, batch_size=self.config.micro_batch_size, shuffle=False, drop_last=False,
-                                 generator=torch.Generator().manual_seed(self.options.seed))
+                                 sampler=sampler, generator=torch.Generator().manual_seed(self.options.seed))
 
     # -- the data, window by window --------------------------------------------------------
     def _windows(self) -> Iterator[tuple[_Window, Iterator[Batch]]]:
@@ -640,15 +748,11 @@ class Trainer:
         DataLoader: only one micro-batch is held at a time, as the estimator assumes.
         """
         epoch, start = self.epoch, self.epoch_offset
-        per_window = self.config.grad_accum_steps
         while True:
-            micro_batches = self.sampler.set_position(epoch, start)
-            self._loader_generator.manual_seed(_epoch_seed(self.options.seed, epoch))
+            windows = self.sampler.set_position(epoch, start)
+            self._loader_generator.manual_seed(_epoch_seed(self.options.seed, epoch) + self.rank)
             loader_iter = iter(self.train_loader)
-            offset = start
-            for i in range(0, len(micro_batches), per_window):
-                window = _Window(epoch=epoch, start=offset, micro_indices=micro_batches[i:i + per_window])
-                offset = window.end
+            for window in windows:
                 yield window, itertools.islice(loader_iter, len(window.micro_indices))
             del loader_iter
             epoch, start = epoch + 1, 0
@@ -675,22 +779,30 @@ class Trainer:
         self._optimizer_undo = None
         self.optimizer.zero_grad(set_to_none=True)  # a no-op normally; makes a replay start clean
         window_loss = torch.zeros((), device=self.device)
-        for indices, batch in zip(window.micro_indices, batches):
+        last = len(window.micro_indices) - 1
+        for k, (indices, batch) in enumerate(zip(window.micro_indices, batches)):
             batch = self._to_device(batch)
-            # Weight each micro-batch by its share of the window's samples, so that the summed
-            # gradients are those of the mean loss over the whole window -- the large batch's
-            # gradient exactly, also for a short last window or a short last micro-batch. With
-            # full micro-batches this is the usual loss / grad_accum_steps.
+            # Weight each micro-batch by its share of the window's samples (this rank's), so that
+            # the summed gradients are those of the mean loss over the whole window -- the large
+            # batch's gradient exactly, also for a short last window or a short last micro-batch.
+            # With full micro-batches this is the usual loss / grad_accum_steps. Every rank has
+            # as many samples, so DDP's and FSDP's mean over ranks is the mean over the window.
             weight = len(indices) / window.n_items
-            self._set_phase("forward")
-            with _precision.forward_context(config.precision, self.device.type):
-                loss = self._loss_fn(self.forward_model, batch) * weight
-            self._set_phase("backward")
-            _precision.backward(loss, self.scaler)
+            # Gradients are reduced across ranks in the last micro-batch's backward only.
+            with _parallel.gradient_sync(self._wrapped, k == last):
+                self._set_phase("forward")
+                with _precision.forward_context(config.precision, self.device.type):
+                    loss = self._loss_fn(self.forward_model, batch) * weight
+                self._set_phase("backward")
+                _precision.backward(loss, self.scaler)
             window_loss += loss.detach().float()
             del batch, loss  # free the batch and the graph now, as the estimate assumes
         self._set_phase("optimizer")
 
+        if self.distributed:
+            # The window's mean loss over all ranks: what is logged, and one skip decision for all.
+            dist.all_reduce(window_loss)
+            window_loss /= self.world_size
         loss_value = float(window_loss)  # waits for the device once per step; the log needs it anyway
         if not math.isfinite(loss_value):
             # Skip: nothing applied (weights, optimizer state, scaler and schedule untouched).
@@ -698,18 +810,20 @@ class Trainer:
             return _WindowOutcome(loss_value, applied=False, nonfinite=True, seconds=time.perf_counter() - t0)
 
         grad_norm = None
-        if self._recovering and self.step < _UNDO_STEPS:
+        if self._recovering and self.step < _UNDO_STEPS and self.config.strategy != "fsdp":
             # An OOM inside the optimizer step may leave it half applied (AdamW updates its
             # moments in place before it allocates its temporaries): keep an undo copy in host
             # memory so that the window can be replayed from its start. Only the first steps
             # pay for it: the first creates the optimizer state, and from the second on the
-            # step's memory is the same every time (the estimator traces exactly this).
+            # step's memory is the same every time (the estimator traces exactly this). Not under
+            # FSDP: a rank's shards alone cannot make a window-start checkpoint anyway.
             self._optimizer_undo = snapshot_optimizer(self.model, self.optimizer, self.scaler)
         if self.options.grad_clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip)
-            grad_norm = float(norm)
+            full = getattr(norm, "full_tensor", None)  # FSDP2: the norm over all shards, replicated
+            grad_norm = float(full() if full is not None else norm)
             if self.scaler is None and not math.isfinite(grad_norm):
                 # Without a scaler nobody else would stop inf gradients from reaching the weights.
                 self.optimizer.zero_grad(set_to_none=True)
@@ -736,6 +850,9 @@ class Trainer:
     def _run_window_recovering(self, window: _Window, batches: Iterator[Batch]) -> _WindowOutcome:
         """:meth:`_run_window`, stepping down the ladder and replaying the window from its start
         after an out-of-memory error (any phase), until it fits or the ladder ends."""
+        if self.distributed:
+            # Every rank draws its own dropout masks, and a relaunched replay draws the same ones.
+            _seed_torch(_window_seed(self.options.seed, self.step, self.rank))
         if not self._recovering:
             return self._run_window(window, batches, self.config)
         # Undo state for a replay: buffers that forward updates in place (BatchNorm statistics)
@@ -762,6 +879,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if undo is not None:  # the optimizer step may have been half applied
                 restore_optimizer(self.model, self.optimizer, self.scaler, undo)
+            intact = undo is not None or phase != "optimizer"  # else the step may be half applied
             del undo
             if saved_buffers is not None:
                 restore_tensors(buffers, saved_buffers)
@@ -769,6 +887,8 @@ class Trainer:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
             free_memory(self.device, optimizer=self.optimizer)  # gc.collect(), torch.cuda.empty_cache()
+            if self.distributed:
+                self._fail_distributed(step=self.step + 1, phase=phase, peak=peak, message=message, intact=intact)
             self._step_down(step=self.step + 1, phase=phase, peak=peak, message=message, t0=t0)
             window = window.recut(self.config.micro_batch_size)
             batches = self._collate_window(window)
@@ -787,6 +907,9 @@ class Trainer:
             peak = self._failure_peak()
             self._set_phase("recovery")
             free_memory(self.device, optimizer=self.optimizer)
+            if self.distributed:
+                # The window is done and counted: the state is consistent; evaluate again on resume.
+                self._fail_distributed(step=self.step, phase="evaluation", peak=peak, message=message, intact=True)
             self._step_down(step=self.step, phase="evaluation", peak=peak, message=message, t0=t0)
 
     def _reset_window_peak(self) -> None:
@@ -879,8 +1002,8 @@ class Trainer:
         """Advance the position and counters, step the schedule and EMA, log the step."""
         lr = self.schedule.get_last_lr()[0]  # the lr this step used
         self.step += 1
-        self.samples_seen += window.n_items
-        if window.end >= self.n_train:
+        self.samples_seen += window.global_items
+        if window.end >= self.sampler.n_epoch:
             self.epoch, self.epoch_offset = self.epoch + 1, 0
         else:
             self.epoch_offset = window.end
@@ -899,8 +1022,8 @@ class Trainer:
             if outcome.scaler_skipped:
                 self.scaler_skipped_steps += 1
 
-        samples_per_s = window.n_items / outcome.seconds if outcome.seconds > 0 else None
-        self._throughput.append((window.n_items, outcome.seconds))
+        samples_per_s = window.global_items / outcome.seconds if outcome.seconds > 0 else None
+        self._throughput.append((window.global_items, outcome.seconds))
         record: dict[str, Any] = {
             "type": "step", "step": self.step, "epoch": window.epoch,
             "loss": outcome.loss,
@@ -940,18 +1063,28 @@ class Trainer:
         assert self.val_loader is not None
         default = self.task.loss_fn is default_loss
         total_loss, total_weight, correct, counted = 0.0, 0, 0, 0
+        # DDP: the module itself (its wrapper's forward would broadcast buffers, a collective that
+        # ranks with fewer validation batches would not join). FSDP2: the sharded module, whose
+        # forward all-gathers, so every rank runs as many forward passes (see the padding below).
+        # Compiled single-device runs evaluate the compiled module.
+        eval_model = self.model if self.distributed else self.forward_model
         self.model.eval()
         swap = self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
         try:
             with swap:
-                for batch in self.val_loader:
+                batches: Iterator[tuple[Batch, bool]] = ((b, True) for b in self.val_loader)
+                if self.config.strategy == "fsdp":
+                    batches = self._padded_val_batches()
+                for batch, counts in batches:
                     batch = self._to_device(batch)
                     with _precision.forward_context(self.config.precision, self.device.type):
                         if default:
-                            logits, targets = _logits_and_targets(self.forward_model, batch)
+                            logits, targets = _logits_and_targets(eval_model, batch)
                             loss = F.cross_entropy(logits.float(), targets)
                         else:
-                            loss = self.task.compute_loss(self.forward_model, batch)
+                            loss = self.task.compute_loss(eval_model, batch)
+                    if not counts:
+                        continue  # a padding pass: it only keeps this rank in step with the others
                     if default and not targets.is_floating_point():
                         valid = targets != -100  # cross_entropy's ignore_index
                         n = int(valid.sum())
@@ -964,10 +1097,32 @@ class Trainer:
                         total_weight += n
         finally:
             self.model.train()
+        if self.distributed:
+            # Each rank evaluated its share (items r::W): the metrics are of the sums over ranks.
+            sums = torch.tensor([total_loss, total_weight, correct, counted], dtype=torch.float64, device=self._comm_device)
+            dist.all_reduce(sums)
+            total_loss, total_weight, correct, counted = sums[0].item(), int(sums[1].item()), int(sums[2].item()), int(sums[3].item())
         metrics = {"val_loss": total_loss / total_weight if total_weight else float("nan")}
         if counted:
             metrics["val_accuracy"] = correct / counted
         return metrics
+
+    def _padded_val_batches(self) -> Iterator[tuple[Batch, bool]]:
+        """This rank's validation batches, then as many padding passes (the first batch again,
+        not counted) as it takes to match the rank with the most batches."""
+        assert self.val_loader is not None
+        n_val = len(self.val_loader.dataset)  # type: ignore[arg-type]
+        most = math.ceil(math.ceil(n_val / self.world_size) / self.config.micro_batch_size)
+        first, seen = None, 0
+        for batch in self.val_loader:
+            if first is None:
+                first = batch
+            seen += 1
+            yield batch, True
+        if first is None:  # fewer items than ranks: this rank has none
+            first = self.task.collate([self.val_loader.dataset[0]])  # type: ignore[index]
+        for _ in range(most - seen):
+            yield first, False
 
     def _evaluate_and_track(self) -> None:
         metrics = self._evaluate_recovering()
@@ -986,7 +1141,10 @@ class Trainer:
             self.best_metric, self.best_step, self.best_metrics = value, self.step, dict(metrics)
             self.bad_evaluations = 0
             # Best weights go to disk, not to RAM: no second copy of the model stays alive.
-            save_checkpoint(self._eval_state_dict(), self.best_path)
+            best = self._eval_state_dict()
+            if self.is_main:
+                save_checkpoint(best, self.best_path)
+            del best
         else:
             self.bad_evaluations += 1
         self.schedule.observe(value)
@@ -1005,21 +1163,45 @@ class Trainer:
             self._evaluate_and_track()
 
     def _eval_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights that are evaluated and written: the EMA's when on, else the model's."""
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The weights that are evaluated and written: the EMA's when on, else the model's. Full
+        tensors on every rank (FSDP2 gathers its shards: every rank must call this)."""
+        state = _full_tensors(self.model.state_dict())
         if self.ema is not None:
-            state.update({k: v.detach().clone() for k, v in self.ema.shadow.items()})
+            state.update(_full_tensors(self.ema.shadow))
         return state
 
+    def _load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Full (unsharded) weights into the model, whatever its strategy."""
+        if self.config.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(state)
+
     # -- checkpoints -----------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, *, collective: bool = True, pending_evaluation: bool = False) -> None:
+        """``checkpoint.pt``; under FSDP2 with the sharded tensors in a ``torch.distributed.checkpoint``
+        folder beside it. ``collective=False``: this rank alone writes it (a DDP rank after an
+        OOM, whose replicated state is that of every rank; the others cannot be reached)."""
         self._set_phase("checkpoint")
-        if not _all_finite(self.model):
+        finite = _all_finite(self.model)
+        if collective:
+            finite = self._agree(finite)  # FSDP: each rank checked its own shards
+        if not finite:
             raise TrainingError(
                 f"the weights became NaN/inf by step {self.step}; not overwriting the last good "
                 f"checkpoint {self.checkpoint_path}; lower the learning rate, set grad_clip, or use "
                 "bf16/fp32 instead of fp16"
             )
+        sharded = self.config.strategy == "fsdp"
+        if collective and not sharded and not self.is_main:
+            self.last_checkpoint_step = self.step  # DDP: rank 0 writes the replicated state
+            return
+        dcp_dir = self._save_sharded() if sharded else None
+        if not self.is_main and collective:
+            self.last_checkpoint_step = self.step
+            return
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
@@ -1027,11 +1209,15 @@ class Trainer:
             "epoch_sample_offset": self.epoch_offset,
             "epoch_micro_batches": math.ceil(self.epoch_offset / self.config.micro_batch_size),
             "n_train": self.n_train,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # FSDP2: the tensors are in dcp_dir (resharded on load, at any world size).
+            "model": None if sharded else self.model.state_dict(),
+            "optimizer": None if sharded else self.optimizer.state_dict(),
+            "dcp": dcp_dir,
+            "world_size": self.world_size,
+            "pending_evaluation": pending_evaluation,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None and not sharded else None,
             "rng": _rng_state(),
             "config": self.config.to_dict(),
             "options": self.options.to_dict(),
@@ -1055,6 +1241,28 @@ class Trainer:
         }
         save_checkpoint(state, self.checkpoint_path)
         self.last_checkpoint_step = self.step
+        if dcp_dir is not None:
+            remove_stale_sharded(self.out_dir / SHARDED_DIR, keep=Path(dcp_dir).name)
+
+    def _save_sharded(self) -> str:
+        """Every rank writes its shards into a fresh folder (a temporary name, renamed when all
+        are done); ``checkpoint.pt``, written afterwards, points at it."""
+        token = [f"step-{self.step:08d}-{os.urandom(4).hex()}" if self.is_main else None]
+        dist.broadcast_object_list(token, src=0)  # one name for all ranks
+        name = str(token[0])
+        root = self.out_dir / SHARDED_DIR
+        tmp, final = root / f".{name}.tmp", root / name
+        if self.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        save_sharded(self.model, self.optimizer, tmp, extra=self._sharded_extra())
+        dist.barrier()  # every rank's shards are on disk
+        if self.is_main:
+            os.replace(tmp, final)
+        return f"{SHARDED_DIR}/{name}"
+
+    def _sharded_extra(self) -> dict[str, Any]:
+        return {"ema": self.ema.shadow} if self.ema is not None else {}
 
     def _resume(self) -> int | None:
         """Load ``checkpoint.pt`` if there is one; returns its step (None: fresh start)."""
@@ -1078,7 +1286,7 @@ class Trainer:
         if ckpt["task"]["source_hash"] != self.task.source_hash:
             log.warning("%s changed since the checkpoint was written", self.task.name)
         recovery = ckpt.get("recovery") or {}
-        if recovery.get("recoveries"):
+        if recovery.get("recoveries") and self._decided is None:
             # The run stepped down after an OOM: continue on the configuration that worked, with
             # the rungs that were still below it.
             self.recoveries = list(recovery["recoveries"])
@@ -1090,13 +1298,24 @@ class Trainer:
             if saved != self.config:
                 log.warning("resuming on %s, the configuration an OOM recovery switched to", saved.describe())
                 self._switch_config(saved)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("dcp"):
+            # Written by an FSDP2 run: DCP reshards the tensors to this run's layout -- another
+            # world size, or one plain process.
+            load_sharded(self.model, self.optimizer, self.out_dir / ckpt["dcp"], extra=self._sharded_extra())
+        elif self.config.strategy == "fsdp":
+            raise ConfigError(
+                f"{self.checkpoint_path} is a single-file checkpoint (a single-device or DDP run); an FSDP run "
+                "resumes from FSDP checkpoints only; resume it with strategy 'ddp' or 'single', or use another out_dir"
+            )
+        else:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
         self.schedule.load_state_dict(ckpt["schedule"])  # after the optimizer: it sets the lr
         if self.scaler is not None and ckpt["scaler"] is not None:
             self.scaler.load_state_dict(ckpt["scaler"])
         if self.ema is not None and ckpt["ema"] is not None:
             self.ema.load_state_dict(ckpt["ema"])
+        self._pending_evaluation = bool(ckpt.get("pending_evaluation")) and self.val_loader is not None
         self.step, self.epoch, self.epoch_offset = ckpt["step"], ckpt["epoch"], ckpt["epoch_sample_offset"]
         best, counters = ckpt["best"], ckpt["counters"]
         self.best_metric, self.best_step = best["metric"], best["step"]
@@ -1112,6 +1331,79 @@ class Trainer:
         _set_rng_state(ckpt["rng"])
         return int(self.step)
 
+    # -- distributed runs ------------------------------------------------------------------
+    @property
+    def _comm_device(self) -> torch.device:
+        """Where small tensors for collectives live: gloo reduces CPU tensors, NCCL CUDA ones."""
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on every rank (one process: ``flag``)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def _agree_stop(self) -> bool:
+        """Stop at this window boundary? All ranks stop together when any got SIGINT/SIGTERM, so
+        that they write one checkpoint and none waits alone in the next step's collectives."""
+        return not self._agree(self._stop_signal is None)
+
+    def _max_over_ranks(self, value: int | None) -> int | None:
+        if not self.distributed:
+            return value
+        t = torch.tensor([-1 if value is None else int(value)], dtype=torch.int64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return None if int(t.item()) < 0 else int(t.item())
+
+    def _fail_distributed(self, *, step: int, phase: str, peak: int | None, message: str | None,
+                          intact: bool) -> NoReturn:
+        """An OOM on this rank of a distributed run: record it for the launcher, write a checkpoint
+        of the window's start when this rank alone can (DDP, nothing of the window applied), and
+        leave. Exiting closes this rank's connections, so the other ranks' collectives fail at
+        once and they exit too -- without writing anything from the middle of a window."""
+        written = False
+        if intact and self.config.strategy == "ddp":
+            try:
+                self._save_checkpoint(collective=False, pending_evaluation=phase == "evaluation")
+                written = True
+            except Exception as exc:  # noqa: BLE001 - the OOM is what gets reported
+                log.warning("rank %d could not write a checkpoint after the OOM: %s", self.rank, exc)
+        record = OOMRecord(
+            rank=self.rank, step=step, phase=phase, config=self.config.to_dict(), peak_at_failure=peak,
+            budget=self._budget(), error=message or "", time=time.time(),
+            resume_step=self.step if written else self.last_checkpoint_step, window_start_checkpoint=written,
+        )
+        record.write(self.out_dir)
+        raise DistributedOOM(
+            f"rank {self.rank} ran out of memory at step {step} in {phase} with {self.config.describe()}; "
+            + ("a checkpoint of the window's start was written" if written else
+               f"resuming from the last checkpoint (step {self.last_checkpoint_step})")
+        )
+
+    def _log_decided_recovery(self) -> None:
+        """A relaunch after an OOM: take over the launcher's record of the switch and log it."""
+        if self._decided is None:
+            return
+        self.recoveries = [dict(r) for r in self._decided.get("recoveries", [])]
+        self._tried = [TrainConfig.from_dict(dict(c)) for c in self._decided.get("tried", [])] or [self.config]
+        if not self.recoveries:
+            return
+        event = self.recoveries[-1]
+        failed_at = self._decided.get("failed_at")
+        if failed_at is not None:  # from the OOM to the replay, the relaunch included
+            event["seconds"] = time.time() - float(failed_at)
+        self._log({"type": "oom_recovery", **event})
+        if self.is_main:
+            old, new = TrainConfig.from_dict(event["from"]), TrainConfig.from_dict(event["to"])
+            text = (f"out of memory at step {event['step']} in {event['phase']} with {old.describe()}"
+                    + (f" (peak {format_size(event['peak_at_failure'])})" if event.get("peak_at_failure") else "")
+                    + f"; all ranks replay from step {self.step + 1} with {new.describe()}")
+            log.warning("%s", text)
+            if not self._bar.disable:
+                self._bar.write(text)
+
     # -- the end ---------------------------------------------------------------------------
     def _write_result_weights(self) -> None:
         """``model.pt``: the best weights with early stopping, else the final ones (EMA if on).
@@ -1121,13 +1413,14 @@ class Trainer:
             self.last_metrics = dict(self.best_metrics)
         else:
             state = self._eval_state_dict()
-        self.model.load_state_dict(state)
-        save_checkpoint(state, self.model_path)
+        self._load_full_state(state)
+        if self.is_main:
+            save_checkpoint(state, self.model_path)
 
     def _summary(self, wall_s: float, interrupted: bool, resumed_from: int | None) -> dict[str, Any]:
         items = sum(n for n, _ in self._throughput)
         seconds = sum(s for _, s in self._throughput)
-        peak = self._peak_memory()
+        peak = self._max_over_ranks(self._peak_memory())  # the fullest device's
         predicted = self.options.predicted_peak_bytes
         final_metrics: dict[str, float] = {}
         if self.last_train_loss is not None:
@@ -1138,6 +1431,7 @@ class Trainer:
             "config": self.config.to_dict(),
             "options": self.options.to_dict(),
             "device": str(self.device),
+            "world_size": self.world_size,
             "torch": torch.__version__,
             "steps": self.step,
             "total_steps": self.total_steps,
@@ -1218,7 +1512,7 @@ class Trainer:
 
         # disable=None lets tqdm hide the bar when stderr is not a terminal (CI logs, files).
         return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                    disable=None if self.options.progress else True)
+                    disable=None if self.options.progress and self.is_main else True)
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -1274,6 +1568,19 @@ def _batch_len(batch: Batch) -> int:
 def _all_finite(model: nn.Module) -> bool:
     flags = [torch.isfinite(p).all() for p in model.parameters() if p.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
+
+
+def _full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies; FSDP2's sharded DTensors gathered into full tensors (a collective)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        full = getattr(v, "full_tensor", None)
+        out[k] = (full() if full is not None else v).detach().clone()
+    return out
+
+
+def _seed_torch(seed: int) -> None:
+    torch.manual_seed(seed)  # seeds every CUDA device too
 
 
 def _seed_everything(seed: int) -> None:

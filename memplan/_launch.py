@@ -1,0 +1,335 @@
+"""Distributed training: launch the ranks in-process with ``torch.distributed`` and recover
+from an out-of-memory error on any of them by relaunching all of them one rung down.
+
+``memplan train MODEL.py --plan plan.json --nproc 2`` (and ``fit``) call :func:`launch_training`
+in the process that holds the plan. It starts the ranks with torchrun's own machinery
+(``torch.distributed.launcher.api.elastic_launch``: the same rendezvous options, ``--nnodes``,
+``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-backend``); each rank
+(:func:`_rank_main`, module-level so that it pickles) initialises the process group (gloo on
+CPU, NCCL on CUDA with its local rank's device), builds the task from the model file, enforces
+the budget with a :class:`~estimators._guard.MemoryGuard` and runs the
+:class:`~memplan._trainer.Trainer` with the plan's configuration.
+
+Why OOM recovery leaves the process group instead of agreeing inside it: an OOM mid-forward on
+one FSDP rank leaves the other ranks blocked in an all-gather that rank will never join, and
+any collective "shall we switch?" afterwards is matched against the wrong collective and
+desynchronises (pytorch#44353). So the failing rank writes an :class:`OOMRecord` (step, phase,
+configuration, peak) -- under DDP, whose state is replicated and still that of the window's
+start, also a checkpoint -- and exits; its exit closes its gloo connections, so the others'
+pending collectives fail at once and they exit too, writing nothing. This process then reads
+the records, takes the next configuration of the ladder (same global batch, same strategy and
+world size, the rule of the single-process ``Trainer._step_down``), logs the switch and
+launches every rank again, resuming from the checkpoint: all ranks agree because they all read
+the one decision, and they replay the failed step together. FSDP2 ranks cannot write a
+window-start checkpoint alone (each holds only its shards), so an FSDP run resumes from its last
+checkpoint and redoes the steps since. On NCCL a peer's death does not fail the others'
+collectives at once; torchrun's agent stops the remaining workers when one fails.
+
+Every other failure stops the run with a one-line :class:`TrainingError` naming the rank and
+its error (not the secondary "connection closed" errors of the ranks it took down).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+
+from estimators import ConfigError, TrainConfig, TrainingError, format_size
+
+from ._recovery import DistributedOOM, OOMRecord, RecoveryEvent
+from ._trainer import TrainOptions, TrainResult, _ladder_configs
+
+__all__ = ["LaunchSpec", "launch_training", "distributed_ladder"]
+
+log = logging.getLogger("memplan.launch")
+
+StartMethod = Literal["spawn", "fork", "forkserver"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchSpec:
+    """How many processes, on how many machines, meeting where (torchrun's options)."""
+
+    nproc_per_node: int = 1
+    """Processes (devices) on this machine."""
+    nnodes: int = 1
+    """Machines; each runs the same command with its own ``node_rank``."""
+    node_rank: int = 0
+    """This machine's rank (used by the ``static`` rendezvous)."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` where the machines meet. ``None``: this machine, a free port (one node only)."""
+    rdzv_id: str | None = None
+    """The job's id, the same on every machine. ``None``: a fresh one (one node only)."""
+    rdzv_backend: str = "c10d"
+    """``c10d`` (torchrun's default) or ``static`` (fixed node ranks)."""
+    start_method: StartMethod = "spawn"
+    """How ranks are started. ``spawn`` is safe with CUDA; ``fork`` starts faster on CPU."""
+    monitor_interval: float = 0.1
+    """Seconds between the agent's checks of its workers (how fast a failure is noticed)."""
+
+    def __post_init__(self) -> None:
+        for name in ("nproc_per_node", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and (self.rdzv_endpoint is None or self.rdzv_id is None):
+            raise ConfigError("training on several machines needs --rdzv-endpoint HOST:PORT and --rdzv-id ID, "
+                              "the same on every machine")
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ConfigError(f"start_method must be spawn, fork or forkserver, got {self.start_method!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RankJob:
+    """Everything a rank needs, picklable (the task is rebuilt from its file in each rank)."""
+
+    model_path: str
+    config: dict[str, Any]
+    options: TrainOptions
+    budget_bytes: int | None
+    ladder: list[dict[str, Any]]
+    recovery_state: dict[str, Any] | None
+    threads: int
+    log_level: int = logging.WARNING
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Failure:
+    """A rank's non-OOM error, written as ``failure-rank<R>.json`` for the launcher's message."""
+
+    rank: int
+    error: str
+    time: float
+    secondary: bool
+    """A collective that failed because another rank went away: not the cause."""
+
+
+def distributed_ladder(ladder: Sequence[Any] | None, config: TrainConfig) -> list[TrainConfig]:
+    """The rungs a distributed run can step down to: ``config``'s global batch, strategy and
+    world size (a relaunch keeps the processes it has and the checkpoint format it wrote)."""
+    return [c for c in _ladder_configs(ladder, config)
+            if c.strategy == config.strategy and c.world_size == config.world_size]
+
+
+def launch_training(
+    model_path: str | os.PathLike[str],
+    config: TrainConfig,
+    options: TrainOptions,
+    *,
+    spec: LaunchSpec,
+    budget_bytes: int | None = None,
+    ladder: Sequence[Any] | None = None,
+) -> TrainResult | None:
+    """Train ``config`` on ``spec.world_size`` processes; returns rank 0's result (``None`` on
+    the machines that do not hold rank 0).
+
+    ``budget_bytes`` is each device's budget (enforced in each rank as in single-device runs);
+    ``ladder`` the configurations OOM recovery may step down to (``Plan.ladder()``).
+
+    Example:
+        >>> launch_training("model.py", TrainConfig(micro_batch_size=4, strategy="ddp", world_size=2),
+        ...                 TrainOptions(max_steps=10), spec=LaunchSpec(nproc_per_node=2))  # doctest: +SKIP
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if config.world_size != spec.world_size:
+        raise ConfigError(
+            f"the configuration ({config.describe()}) runs on {config.world_size} processes but "
+            f"{spec.nproc_per_node} x {spec.nnodes} node(s) = {spec.world_size} were asked for; "
+            f"use --nproc {config.world_size} or plan for {spec.world_size}"
+        )
+    if config.strategy == "single":
+        raise ConfigError("strategy 'single' runs in this process; launch only ddp or fsdp configurations")
+    out_dir = Path(options.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rungs = distributed_ladder(ladder, config)
+    recoveries: list[dict[str, Any]] = []
+    tried = [config]
+    recovery_state: dict[str, Any] | None = None
+    run_id = spec.rdzv_id or uuid.uuid4().hex[:12]
+    threads = max(1, (os.cpu_count() or 1) // spec.nproc_per_node)
+    attempt = 0
+    while True:
+        OOMRecord.clear(out_dir)
+        _clear_failures(out_dir)
+        job = _RankJob(
+            model_path=str(Path(model_path).resolve()), config=config.to_dict(), options=options,
+            budget_bytes=budget_bytes, ladder=[c.to_dict() for c in rungs], recovery_state=recovery_state,
+            threads=threads, log_level=logging.getLogger("memplan").getEffectiveLevel(),
+        )
+        rdzv_configs: dict[str, Any] = {"rank": spec.node_rank} if spec.rdzv_backend == "static" else {}
+        launch_config = LaunchConfig(
+            min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
+            rdzv_backend=spec.rdzv_backend, rdzv_endpoint=spec.rdzv_endpoint or "127.0.0.1:0",
+            rdzv_configs=rdzv_configs,
+            # A fresh rendezvous per attempt: every machine counts the same attempts.
+            run_id=f"{run_id}-{attempt}", max_restarts=0, start_method=spec.start_method,
+            monitor_interval=spec.monitor_interval,
+        )
+        try:
+            results = elastic_launch(launch_config, _rank_main)(job)
+        except ChildFailedError as exc:
+            records = OOMRecord.read_all(out_dir)
+            if not records:
+                raise TrainingError(_failure_message(exc, out_dir)) from None
+            first = records[0]
+            old = TrainConfig.from_dict(first.config)
+            peak = max((r.peak_at_failure for r in records if r.peak_at_failure is not None), default=None)
+            if not rungs:
+                raise _exhausted(first, records, old, tried, peak, out_dir) from None
+            new = rungs.pop(0)
+            tried.append(new)
+            event = RecoveryEvent(
+                step=first.step, phase=first.phase, from_config=old.to_dict(), to_config=new.to_dict(),
+                peak_at_failure=peak, seconds=0.0, error=f"rank {first.rank}: {first.error}",
+            ).to_dict()
+            event.update(ranks=sorted({r.rank for r in records}), resume_step=first.resume_step,
+                         window_start_checkpoint=first.window_start_checkpoint)
+            recoveries.append(event)
+            log.warning("out of memory on rank(s) %s at step %d in %s with %s; relaunching all %d ranks with %s "
+                        "from %s", ",".join(map(str, event["ranks"])), first.step, first.phase, old.describe(),
+                        spec.world_size, new.describe(),
+                        f"the checkpoint of step {first.resume_step}" if first.resume_step is not None else "the start")
+            config = new
+            options = replace(options, resume=True)
+            recovery_state = {"recoveries": recoveries, "tried": [c.to_dict() for c in tried],
+                              "failed_at": first.time}
+            attempt += 1
+            continue
+        OOMRecord.clear(out_dir)
+        result = results.get(0)
+        return result if isinstance(result, TrainResult) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank
+# ----------------------------------------------------------------------------------------------
+
+def _rank_main(job: _RankJob) -> TrainResult | None:
+    """The entry point of every rank (torchrun has set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*)."""
+    import torch.distributed as dist
+
+    from estimators import load_task
+    from estimators._guard import MemoryGuard
+
+    from ._trainer import Trainer
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    logging.basicConfig(level=job.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if rank != 0:
+        # Rank 0 speaks for the run; the others would only repeat it.
+        logging.getLogger("memplan").setLevel(logging.ERROR)
+    options = job.options
+    if torch.device(options.device).type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        # The ranks share this machine's cores; oversubscribing them slows every rank down.
+        torch.set_num_threads(job.threads)
+        dist.init_process_group("gloo")
+    options = replace(options, device=str(device))
+    failed = False
+    try:
+        task = load_task(job.model_path)
+        guard = (MemoryGuard(job.budget_bytes, device=device.type) if job.budget_bytes is not None else None)
+        trainer = Trainer(task, TrainConfig.from_dict(job.config), options, memory_guard=guard,
+                          ladder=job.ladder, recovery_state=job.recovery_state)
+        result = trainer.run()
+    except BaseException as exc:
+        failed = True
+        if not isinstance(exc, DistributedOOM):
+            _write_failure(options.out_dir, rank, exc)
+        raise
+    finally:
+        if not failed:
+            dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Failure reports
+# ----------------------------------------------------------------------------------------------
+
+_SECONDARY_MARKERS = ("connection closed", "connection reset", "broken pipe", "peer", "timed out", "nccl",
+                      "gloo", "socket", "transport")
+
+
+def _write_failure(out_dir: str | os.PathLike[str], rank: int, exc: BaseException) -> None:
+    import torch.distributed as dist
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    secondary = isinstance(exc, getattr(dist, "DistError", ())) or any(m in text.lower() for m in _SECONDARY_MARKERS)
+    record = _Failure(rank=rank, error=f"{type(exc).__name__}: {text}" if text else type(exc).__name__,
+                      time=time.time(), secondary=secondary)
+    try:
+        path = Path(out_dir) / f"failure-rank{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(record)))
+    except OSError:
+        pass  # the launcher falls back on torchrun's own record
+
+
+def _clear_failures(out_dir: Path) -> None:
+    for f in out_dir.glob("failure-rank*.json"):
+        f.unlink(missing_ok=True)
+
+
+def _read_failures(out_dir: Path) -> list[_Failure]:
+    out = []
+    for f in out_dir.glob("failure-rank*.json"):
+        try:
+            out.append(_Failure(**json.loads(f.read_text())))
+        except (ValueError, TypeError):
+            continue
+    # The cause first: an error of its own before the collectives it broke, then the earliest.
+    return sorted(out, key=lambda r: (r.secondary, r.time))
+
+
+def _failure_message(exc: Any, out_dir: Path) -> str:
+    failures = _read_failures(out_dir)
+    _clear_failures(out_dir)
+    if failures:
+        cause = failures[0]
+        others = sorted({f.rank for f in failures} - {cause.rank})
+        tail = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped with it)" if others else ""
+        return f"training failed on rank {cause.rank}: {cause.error}{tail}"
+    # No record: the rank died without Python noticing (killed, segfault); torchrun knows how.
+    rank, failure = exc.get_first_failure()
+    message = failure.message
+    if isinstance(message, Mapping):
+        message = message.get("message", "")
+    detail = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
+    return f"training failed on rank {rank}: {detail}"
+
+
+def _exhausted(first: OOMRecord, records: list[OOMRecord], old: TrainConfig, tried: list[TrainConfig],
+               peak: int | None, out_dir: Path) -> TrainingError:
+    where = (f"the last good checkpoint is {out_dir / 'checkpoint.pt'} (step {first.resume_step})"
+             if first.resume_step is not None else "no checkpoint was written")
+    measured = f"measured peak at failure {format_size(peak)}" if peak is not None else "peak at failure unknown"
+    if first.budget is not None:
+        measured += f" of budget {format_size(first.budget)}"
+    ranks = ",".join(str(r) for r in sorted({r.rank for r in records}))
+    return TrainingError(
+        f"ran out of memory at step {first.step} in {first.phase} on rank(s) {ranks} with {old.describe()} "
+        f"({first.error}); no smaller configuration with the same global batch of {old.global_batch}, strategy "
+        f"and world size is left (tried: {'; '.join(t.describe() for t in tried)}); {where}; {measured} "
+        "-- raise --vram or reduce the model"
+    )
