@@ -26,6 +26,7 @@ import torch
 
 from ._allocator import CachingAllocatorSim
 from ._config import TrainConfig, normalize_precision
+from ._distributed import FsdpUnits
 from ._errors import ConfigError
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
@@ -138,6 +139,8 @@ class _Prepared:
     notes: tuple[str, ...] = ()
     ops: list = field(default_factory=list)
     costs: OpCosts | None = None
+    host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Allocations in host memory on any device (see ``Trace.host_allocs``)."""
 
     def op_costs(self) -> OpCosts:
         if self.costs is None:
@@ -158,7 +161,7 @@ class Estimator:
         self._scaling: dict[Any, _Scaling | None] = {}
         self._data_dependent = False
         self._lock = threading.RLock()
-        self._params: tuple[int, int] | None = None
+        self._facts: _ModelFacts | None = None
         self._workspace_fits: dict[Any, Any] = {}
         self._affine: bool | None = None  # are allocation sizes affine in the batch size?
         self._rates: DeviceRates | None = None
@@ -192,8 +195,11 @@ class Estimator:
                 f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "
                 "--precision fp16 or fp32"
             )
-        if config.strategy != "single":
-            raise ConfigError(f"strategy {config.strategy!r} is not supported by this estimator yet; use single")
+        if config.strategy == "fsdp" and config.world_size > 1 and not self._has_block_stack():
+            raise ConfigError(
+                f"{self.task.name}: fsdp shards each block of the model's block stack, and none was "
+                "found; define checkpoint_blocks(model) in the model file, or use ddp"
+            )
 
     # -- traces -------------------------------------------------------------------------
     @staticmethod
@@ -233,7 +239,7 @@ class Estimator:
         """
         if trace.op_workspace is not None:
             return trace.op_workspace, None
-        key = (trace.config.precision, trace.config.checkpoint_segments)
+        key = _workspace_key(trace.config)
         with self._lock:
             if key not in self._workspace_fits:
                 self._workspace_fits[key] = self._measure_workspace_fit(trace.config)
@@ -243,7 +249,7 @@ class Estimator:
         full = [0] * len(trace.ops)
         matched = total = real_new = size_gap = 0
         for phase, indices in _ops_by_phase(trace).items():
-            kind = _phase_key(phase)
+            kind = _phase_key(phase, trace.config)
             if kind not in fit:
                 if kind in ("forward", "backward"):
                     total += len(indices)
@@ -270,11 +276,16 @@ class Estimator:
         return full, None
 
     def _measure_workspace_fit(self, config: TrainConfig) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]] | None:
-        one = config.replace(grad_accum_steps=1)
-        try:
+        if config.strategy == "single":
             # One optimizer step of one micro-batch: every forward and backward kernel runs;
             # optimizer steps allocate no scratch worth measuring (elementwise kernels).
-            runs = [trace_step(self.task, one, batch_size=a, real=True, profile=True, steps=1)
+            one, steps = config.replace(grad_accum_steps=1), 1
+        else:
+            # DDP and FSDP2 run other ops in their first step (lazy initialisation, bucket
+            # rebuild) and in skipped-sync micro-batches: the runs have the trace's phases.
+            one, steps = config.replace(grad_accum_steps=min(config.grad_accum_steps, 2)), 2
+        try:
+            runs = [trace_step(self.task, one, batch_size=a, real=True, profile=True, steps=steps)
                     for a in WORKSPACE_ANCHORS]
         except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
             return None
@@ -282,7 +293,7 @@ class Estimator:
         for run in runs:
             assert run.op_workspace is not None
             # Per op: its measured workspace and the bytes of the storages it created.
-            per_run.append({_phase_key(phase): ([run.ops[i].name for i in idx],
+            per_run.append({_phase_key(phase, config): ([run.ops[i].name for i in idx],
                                                 np.asarray([[run.op_workspace[i], run.ops[i].new_bytes] for i in idx],
                                                            dtype=np.float64).reshape(-1, 2))
                             for phase, idx in _ops_by_phase(run).items()})
@@ -351,6 +362,7 @@ class Estimator:
             method=trace.method,
             notes=tuple(notes),
             ops=trace.ops,
+            host_allocs=trace.host_allocs,
         )
 
     def _events(self, config: TrainConfig, *, exact: bool = False) -> tuple[_Prepared, str]:
@@ -370,7 +382,7 @@ class Estimator:
                 alloc_bytes=sizes, alloc_category=base.alloc_category, event_alloc=base.event_alloc,
                 event_sign=base.event_sign, event_phase=base.event_phase,
                 phase_labels=base.phase_labels, method="scaled", notes=base.notes,
-                ops=base.ops,
+                ops=base.ops, host_allocs=base.host_allocs,
             )
             if scaling.costs is not None:
                 c, f0, f1, m0, m1 = scaling.costs
@@ -424,6 +436,9 @@ class Estimator:
         sizes = p.alloc_bytes
         if cuda:
             sizes = np.where(sizes > 0, ((sizes + 511) // 512) * 512, 0)
+            if len(p.host_allocs):
+                sizes = sizes.copy()
+                sizes[p.host_allocs] = 0  # host memory, not the GPU's
         signed = sizes[p.event_alloc] * p.event_sign.astype(np.int64)
         running = np.cumsum(signed)
         peak_index = int(np.argmax(running)) if len(running) else 0
@@ -461,24 +476,51 @@ class Estimator:
         )
 
     def _param_counts(self) -> tuple[int, int]:
-        if self._params is None:
+        facts = self._model_facts()
+        return facts.params, facts.trainable
+
+    def _has_block_stack(self) -> bool:
+        return len(self._model_facts().units.block_numels) > 0
+
+    def _model_facts(self) -> _ModelFacts:
+        """Parameter counts, FSDP2 units and DDP buckets, from a fake copy of the model."""
+        if self._facts is None:
+            from ._checkpoint import find_block_stack
+            from ._distributed import ddp_bucket_bytes, fsdp_units
             from ._trace import _fake_mode, build_fake_model
             model = build_fake_model(self.task, _fake_mode())
-            seen: set[int] = set()
-            total = trainable = 0
-            for prm in model.parameters():
-                if id(prm) in seen:
-                    continue
-                seen.add(id(prm))
-                total += prm.numel()
-                trainable += prm.numel() if prm.requires_grad else 0
-            self._params = (total, trainable)
-        return self._params
+            distinct = list(dict.fromkeys(model.parameters()))
+            find_block_stack(model, self.task.checkpoint_blocks)
+            self._facts = _ModelFacts(
+                params=sum(p.numel() for p in distinct),
+                trainable=sum(p.numel() for p in distinct if p.requires_grad),
+                units=fsdp_units(model, self.task.checkpoint_blocks),
+                ddp_buckets=tuple(ddp_bucket_bytes(model)),
+            )
+        return self._facts
 
 
-def _phase_key(label: str) -> str:
+@dataclass(frozen=True)
+class _ModelFacts:
+    params: int
+    trainable: int
+    units: FsdpUnits
+    ddp_buckets: tuple[int, ...]
+
+
+def _workspace_key(config: TrainConfig) -> tuple[Any, ...]:
+    if config.strategy == "single":
+        return (config.precision, config.checkpoint_segments)
+    return (config.precision, config.checkpoint_segments, config.strategy, config.world_size,
+            min(config.grad_accum_steps, 2))
+
+
+def _phase_key(label: str, config: TrainConfig) -> str:
     """Forward and backward passes run the same kernels in every micro-batch; the first
-    optimizer step (which creates the state) differs from the later ones."""
+    optimizer step (which creates the state) differs from the later ones. Under ddp and fsdp
+    every phase is its own (see ``_measure_workspace_fit``)."""
+    if config.strategy != "single":
+        return label
     kind = label.rsplit(" ", 1)[-1]
     return kind if kind in ("forward", "backward") else f"{label.split(' ')[1]} {kind}"
 

@@ -4,30 +4,41 @@
 PyTorch's CPU allocator — tensors *and* kernel scratch buffers — so the running sum of its
 allocation events is the allocator's live-byte count. The model's parameters and buffers
 exist before profiling starts, so they are added as a baseline.
+
+:func:`measure_distributed_peaks` does the same on every rank of a real ``ddp`` or ``fsdp``
+run: W processes with the gloo backend, wrapped by ``estimators._parallel`` exactly as the
+trainer wraps. What wrapping allocates or frees (DDP's buckets, FSDP2's sharding) is profiled
+too and counted in the baseline; the peak is taken over the training steps.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
+import json
+import os
+import socket
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
-from . import _checkpoint
+from . import _checkpoint, _parallel
 from ._config import TrainConfig
 from ._task import Task
 from ._trace import run_steps
 
-__all__ = ["CpuMeasurement", "measure_cpu_peak", "storage_bytes"]
+__all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_distributed_peaks", "storage_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
 class CpuMeasurement:
     peak_bytes: int
     baseline_bytes: int
-    """Parameters and buffers alive before the steps."""
+    """Bytes alive before the steps: parameters and buffers (sharded under fsdp), DDP's
+    gradient buckets."""
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -43,31 +54,137 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None) -> CpuMeasurement:
-    """Run ``steps`` real optimizer steps on the CPU and return the allocator's peak."""
-    from torch._C._profiler import _EventType
+def _profiled() -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    if model is None:
-        model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-    model.train()
-    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
-    baseline = storage_bytes([*model.parameters(), *model.buffers()])
-    task.batch_template()  # build the dataset outside the profiled region
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+_STEPS_MARK = "memplan::steps"
+
+
+def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int, int]:
+    """(peak, level at the start) of the running sum of a profile's allocation events; with
+    ``from_mark``, the peak is taken from the start of that ``record_function`` range on and
+    the level is the running sum when it starts."""
+    from torch._C._profiler import _EventType
+
     events: list[Any] = []
+    marks: list[int] = []
 
     def walk(nodes: Iterable[Any]) -> None:
         for n in nodes:
             if n.tag == _EventType.Allocation:
                 events.append(n)
+            elif from_mark is not None and n.name == from_mark:
+                marks.append(n.start_time_ns)
             walk(n.children)
 
     walk(prof.profiler.kineto_results.experimental_event_tree())
     events.sort(key=lambda e: e.start_time_ns)
-    running = peak = 0
+    start = min(marks) if marks else None
+    running = peak = level = 0
     for e in events:
+        if start is not None and e.start_time_ns >= start and level is not None:
+            level, peak = running, running
+            start = None
         running += e.extra_fields.alloc_size
         peak = max(peak, running)
+    if from_mark is not None and start is not None:  # nothing allocated during the steps
+        level = peak = running
+    return peak, level
+
+
+def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None) -> CpuMeasurement:
+    """Run ``steps`` real optimizer steps on the CPU and return the allocator's peak.
+
+    ``ddp``/``fsdp`` configurations need an initialised default process group (see
+    :func:`measure_distributed_peaks`); the model is then built and wrapped, as the trainer
+    wraps it, inside the profiled region: the profiler does not report the release of memory
+    allocated before it started, and wrapping releases some (FSDP2 drops the unsharded
+    parameters, DDP its first buckets when it rebuilds them). The peak is taken over the steps.
+    """
+    task.batch_template()  # build the dataset outside the profiled region
+    if config.strategy != "single":
+        with _profiled() as prof:
+            if model is None:
+                model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+            model.train()
+            _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+            model = _parallel.parallelize(model, config, finder=task.checkpoint_blocks)
+            with torch.profiler.record_function(_STEPS_MARK):
+                run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+        peak, level = _allocation_levels(prof, from_mark=_STEPS_MARK)
+        return CpuMeasurement(peak_bytes=peak, baseline_bytes=level)
+    if model is None:
+        model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+    model.train()
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    baseline = storage_bytes([*model.parameters(), *model.buffers()])
+    with _profiled() as prof:
+        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+    peak, _ = _allocation_levels(prof)
     return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, model_path: str, configs: list[dict[str, Any]],
+               steps: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from ._task import load_task
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        task = load_task(model_path)
+        results = []
+        for data in configs:
+            # The previous configuration's model and optimizer (FSDP2's hooks hold reference
+            # cycles) must not be collected in the middle of this one's profile.
+            gc.collect()
+            dist.barrier()
+            torch.manual_seed(0)
+            m = measure_cpu_peak(task, TrainConfig.from_dict(data), steps=steps)
+            results.append([m.peak_bytes, m.baseline_bytes])
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_distributed_peaks(model_path: str, configs: Sequence[TrainConfig], *, steps: int = 2) -> list[list[CpuMeasurement]]:
+    """Each configuration trained for real by ``world_size`` CPU processes (gloo), wrapped by
+    ``estimators._parallel``; per configuration, each rank's measurement (rank order).
+
+    All configurations must share one ``world_size``; they run one after the other in the
+    same processes (spawned once: a model file path, not a ``Task``, since the task is loaded
+    in each process).
+
+    >>> measure_distributed_peaks("examples/digits.py",
+    ...     [TrainConfig(micro_batch_size=32, strategy="ddp", world_size=2)])   # doctest: +SKIP
+    [[CpuMeasurement(peak_bytes=..., baseline_bytes=...), CpuMeasurement(...)]]
+    """
+    import torch.multiprocessing as mp
+
+    sizes = {c.world_size for c in configs}
+    if len(sizes) != 1:
+        raise ValueError(f"configurations of one run must share a world size, got {sorted(sizes)}")
+    world_size = sizes.pop()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _rank_main,
+            args=(world_size, _free_port(), os.path.abspath(model_path), [c.to_dict() for c in configs], steps, out_dir),
+            nprocs=world_size, join=True, start_method="spawn",
+        )
+        per_rank = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                per_rank.append(json.load(f))
+    return [[CpuMeasurement(*per_rank[r][i]) for r in range(world_size)] for i in range(len(configs))]

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from . import _checkpoint, _precision
+from . import _checkpoint, _distributed, _parallel, _precision
 from ._config import TrainConfig
 from ._errors import MemplanError, ModelFileError
 from ._task import Task, _one_line
@@ -111,6 +111,9 @@ class Trace:
     op_workspace: list[int] | None = None
     """Per op: bytes the allocator handed out during the op beyond its outputs (real,
     profiled runs only)."""
+    host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Allocations that live in host memory even when training on a GPU (the CPU RNG state
+    ``torch.utils.checkpoint`` saves per checkpointed block)."""
 
     def structure_key(self) -> tuple[int, int]:
         return (len(self.event_alloc), len(self.alloc_bytes))
@@ -142,11 +145,14 @@ class _Recorder(TorchDispatchMode):
         self.op_new_bytes: list[int] = []  # per op: bytes of the storages it created
         self.quiet = False  # batch creation is not part of the step's ops
         self.label_ops = False  # wrap ops in profiler ranges (real runs measuring workspaces)
+        self.host: list[int] = []  # allocations in host memory whatever the device
 
     # storages --------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: Category = Category.TEMPORARIES) -> int | None:
         try:
-            storage = tensor.untyped_storage()
+            # FSDP2's parameters, gradients and optimizer state are DTensors: the memory is
+            # their local shard's.
+            storage = _distributed.local_tensor(tensor).untyped_storage()
         except (NotImplementedError, RuntimeError):
             return None  # sparse / nested tensors without a plain storage
         key = id(storage)
@@ -168,6 +174,19 @@ class _Recorder(TorchDispatchMode):
         if index is not None:
             self._event(index, -1)
 
+    def resized_down(self, tensor: torch.Tensor) -> None:
+        """The storage of ``tensor`` is about to be resized to 0 bytes (FSDP2 freeing an
+        unsharded parameter): a free, though the storage object lives on."""
+        key = id(tensor.untyped_storage())
+        index = self.live.pop(key, None)
+        self._refs.pop(key, None)  # the dropped weakref will not report the storage's death
+        if index is not None:
+            self._event(index, -1)
+
+    def resized_up(self, tensor: torch.Tensor) -> None:
+        """The storage of ``tensor`` was resized from 0 bytes: a new allocation of its size."""
+        self.track(tensor, Category.PARAMS)
+
     def _event(self, index: int, sign: int) -> None:
         self.event_alloc.append(index)
         self.event_sign.append(sign)
@@ -175,7 +194,7 @@ class _Recorder(TorchDispatchMode):
 
     def index_of(self, tensor: torch.Tensor) -> int | None:
         try:
-            return self.live.get(id(tensor.untyped_storage()))
+            return self.live.get(id(_distributed.local_tensor(tensor).untyped_storage()))
         except (NotImplementedError, RuntimeError):
             return None
 
@@ -349,11 +368,22 @@ def trace_step(
     With ``real=False`` everything runs on fake tensors; models whose shapes depend on data
     raise :class:`DataDependentShapes`, and ``real=True`` then measures a real CPU run with
     real batches instead.
+
+    ``ddp`` and ``fsdp`` configurations trace rank 0 of ``config.world_size`` ranks in this
+    process, on a fake process group (:mod:`estimators._distributed`); the trace starts from
+    the wrapped model (sharded parameters, DDP's gradient buckets), as training does.
     """
     b = batch_size or config.micro_batch_size
     # Datasets load before any mode is active: their tensors must be real, not fake, and
     # their loading is not part of the step.
     task.batch_template()
+    ranks = (_distributed.simulated_ranks(config.world_size) if config.strategy != "single"
+             else contextlib.nullcontext())
+    with ranks:
+        return _trace_step(task, config, b, real=real, profile=profile, steps=steps)
+
+
+def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int) -> Trace:
     mode = contextlib.nullcontext() if real else _fake_mode()
     if real:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
@@ -367,14 +397,24 @@ def trace_step(
     hooks = _RecordingHooks(rec, phase_labels)
     prof = None
     try:
+        # Wrapped before recording starts: the full model a rank holds before sharding is
+        # not part of the step (training builds it sharded, or frees it before the first step).
+        model = _distributed.parallelize_simulated(model, config, finder=task.checkpoint_blocks, mode=mode)
         with mode:
             for p in model.parameters():
                 rec.track(p, Category.PARAMS)
             for buf in model.buffers():
                 rec.track(buf, Category.BUFFERS)
+            for bucket in getattr(model, "buckets", ()):
+                rec.track(bucket, Category.GRADIENTS)
+            # A loop variable would keep the last bucket alive past DDP's rebuild.
+            p = buf = bucket = None  # noqa: F841
             with contextlib.ExitStack() as stack:
                 prof = stack.enter_context(_memory_profiler()) if rec.label_ops else None
                 stack.enter_context(rec)
+                stack.enter_context(_recorded_rng_states(rec))
+                if config.strategy == "fsdp":
+                    stack.enter_context(_distributed.fsdp_storage_events(rec.resized_up, rec.resized_down))
                 run_steps(task, config, model, batch_size=b, real=real, steps=steps, hooks=hooks)
     except MemplanError:
         raise
@@ -383,6 +423,11 @@ def trace_step(
         if not real and (name in _DATA_DEPENDENT or "data-dependent" in str(exc).lower()
                          or "dynamic output shape" in str(exc).lower()):
             raise DataDependentShapes(f"{task.name}: shapes depend on data ({name})") from exc
+        if _unsupported_kernel(exc):
+            raise ModelFileError(
+                f"{task.name}: a kernel of this model is not supported on this device in "
+                f"{config.precision} ({_one_line(exc)}); use another precision, e.g. --precision fp32"
+            ) from exc
         raise ModelFileError(
             f"{task.name}: a training step with batch size {b} failed: {_one_line(exc)}; "
             "check that the model accepts batches from train_data() and that loss() returns a scalar"
@@ -405,7 +450,43 @@ def trace_step(
         method="measured-cpu" if real else "traced",
         op_positions=rec.op_positions,
         op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
+        host_allocs=np.asarray(sorted(set(rec.host)), dtype=np.int64),
     )
+
+
+_UNSUPPORTED_KERNEL = (
+    "could not create a primitive",  # oneDNN has no kernel for this dtype on this CPU
+    "not implemented for 'bfloat16'",
+    "not implemented for 'half'",
+    "unsupported scalartype",
+)
+
+
+def _unsupported_kernel(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(marker in text for marker in _UNSUPPORTED_KERNEL)
+
+
+@contextlib.contextmanager
+def _recorded_rng_states(rec: _Recorder) -> Iterator[None]:
+    """Record the CPU RNG states ``torch.utils.checkpoint`` saves (one 5,056-byte tensor per
+    checkpointed block): ``torch.get_rng_state`` builds them outside the dispatcher, where no
+    dispatch mode sees them. They stay in host memory when training on a GPU."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        if not rec.quiet:
+            index = rec.track(state, Category.ACTIVATIONS)
+            if index is not None:
+                rec.host.append(index)
+        return state
+
+    torch.get_rng_state = get_rng_state  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original  # type: ignore[assignment]
 
 
 def _canonical_free_order(alloc: list[int], sign: list[int], phase: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -555,13 +636,15 @@ def run_steps(
                 batch = task.fake_batch(batch_size)
             hooks.making_batch(False)
             hooks.batch(batch)
-            with _precision.forward_context(config.precision, device):
-                loss = task.compute_loss(model, batch)
-                loss = loss / config.grad_accum_steps
-            hooks.after_forward()
-            hooks.phase(f"{tag} backward")
-            _precision.backward(loss, scaler)
-            del loss, batch
+            # Gradients are reduced across ranks on the last micro-batch of a window only.
+            with _parallel.gradient_sync(model, micro == micro_steps):
+                with _precision.forward_context(config.precision, device):
+                    loss = task.compute_loss(model, batch)
+                    loss = loss / config.grad_accum_steps
+                hooks.after_forward()
+                hooks.phase(f"{tag} backward")
+                _precision.backward(loss, scaler)
+                del loss, batch
             hooks.after_backward(model)
         hooks.phase(f"step {step} optimizer")
         _precision.optimizer_step(optimizer, scaler, tracing=not real)

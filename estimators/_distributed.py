@@ -1,0 +1,246 @@
+"""Data parallelism simulated in one process, so that any world size can be traced.
+
+Three pieces:
+
+* :func:`simulated_ranks` — a fake process group (``torch.testing``'s ``FakeStore``): every
+  collective returns at once without moving data, so this process is "rank 0 of W". FSDP2
+  (``estimators._parallel.apply_fsdp``) runs on it as is, on fake or real tensors.
+* :class:`EmulatedDDP` — ``DistributedDataParallel``'s C++ reducer touches tensor data (bucket
+  rebuilds, the comm hook) and cannot run on fake tensors, so its memory behaviour is
+  reproduced here with the options ``_parallel.apply_ddp`` uses (checked against the real
+  thing under gloo by ``tests/test_distributed_estimate.py``):
+
+  - at construction, one flat gradient bucket per dtype holds every trainable parameter's
+    gradient (torch >= 2.x buckets everything together until the first backward has shown the
+    real gradient order);
+  - with ``gradient_as_bucket_view=True`` the gradient AccumulateGrad produces is copied into
+    its bucket view (divided by W on the way) and ``.grad`` is replaced by the view, so the
+    produced gradient dies right away;
+  - ``no_sync`` micro-batches skip all of that: their gradients accumulate outside the
+    buckets, and the synchronised micro-batch copies them in;
+  - in the first forward after a synchronised backward the buckets are rebuilt in the order
+    gradients became ready, capped at ``bucket_cap_mb`` each: the old buckets are freed first,
+    then the new ones are allocated.
+
+* :func:`fsdp_storage_events` — FSDP2 frees and re-allocates unsharded parameters and
+  all-gather outputs with ``storage.resize_(0)`` / ``storage.resize_(n)``, which no dispatch
+  mode sees; during a trace its ``alloc_storage``/``free_storage`` report to the recorder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ._checkpoint import BlockFinder, find_block_stack
+from ._config import TrainConfig
+from ._errors import ConfigError
+from ._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
+
+__all__ = ["simulated_ranks", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
+           "FsdpUnits", "fsdp_units", "ddp_bucket_bytes"]
+
+_MB = 1024 * 1024
+# One simulated world at a time: the default process group is global state.
+_PG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def simulated_ranks(world_size: int) -> Iterator[None]:
+    """A fake default process group of ``world_size`` ranks (this process is rank 0).
+
+    Raises ``ConfigError`` when a real process group is already initialised: the simulation
+    would have to replace it. The group is destroyed on exit, whatever happens inside.
+    """
+    import torch.distributed as dist
+
+    with _PG_LOCK:
+        if dist.is_initialized():
+            raise ConfigError(
+                "a torch.distributed process group is already initialised in this process; "
+                "estimate ddp/fsdp configurations before init_process_group() or in another "
+                "process (the estimator simulates the ranks with a fake process group)"
+            )
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard behind a ``DTensor`` (FSDP2 parameters, gradients and optimizer
+    state); any other tensor as is."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+class EmulatedDDP(nn.Module):
+    """What ``DistributedDataParallel(gradient_as_bucket_view=True)`` allocates, on any tensors.
+
+    Offers ``set_requires_gradient_sync`` so that ``_parallel.gradient_sync`` drives it the
+    way it drives FSDP2. Collectives are not issued: on the fake process group they move no
+    data, and their time is modelled by ``estimators._comm``.
+    """
+
+    def __init__(self, module: nn.Module, *, world_size: int, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> None:
+        super().__init__()
+        self.module = module
+        self._world_size = world_size
+        self._cap = int(bucket_cap_mb * _MB)
+        # DDP reduces the distinct parameters that require gradients, in registration order.
+        self._params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self._sync = True
+        self._ready: list[int] = []
+        self._rebuilt = False
+        self.buckets: list[torch.Tensor] = []
+        self._views: dict[int, torch.Tensor] = {}
+        self._assign([sys.maxsize], list(range(len(self._params))))
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    def _assign(self, limits: list[int], order: list[int]) -> None:
+        import torch.distributed as dist
+
+        tensors = [self._params[i] for i in order]
+        groups, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+        # The reducer drops its buckets before allocating the new ones.
+        self.buckets, self._views = [], {}
+        for group in groups:
+            members = [tensors[j] for j in group]
+            total = sum(p.numel() for p in members)
+            bucket = torch.empty(total, dtype=members[0].dtype, device=members[0].device)
+            offset = 0
+            for p in members:
+                self._views[id(p)] = bucket[offset: offset + p.numel()].view(p.shape)
+                offset += p.numel()
+            self.buckets.append(bucket)
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if not self._sync or p.grad is None:
+                return
+            if not self._rebuilt:
+                self._ready.append(index)
+            view = self._views[id(p)]
+            if p.grad is view:
+                view.div_(self._world_size)
+            else:
+                # Divide while copying into the bucket, as the reducer does (no temporary).
+                torch.mul(p.grad, 1.0 / self._world_size, out=view)
+                p.grad = view
+        return hook
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self._sync = requires_gradient_sync
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and not self._rebuilt and self._ready:
+            # Rebuilt once, in gradient-ready order, with the configured cap for every bucket.
+            self._rebuilt = True
+            self._assign([self._cap], list(dict.fromkeys(self._ready)))
+        return self.module(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fsdp_storage_events(on_alloc: Callable[[torch.Tensor], None], on_free: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Report FSDP2's storage resizes: ``on_free(t)`` before a storage of ``t`` is resized to
+    0, ``on_alloc(t)`` after it is resized back up (a new allocation of the new size)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    original_alloc, original_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().size()
+        original_alloc(tensor)
+        if tensor.untyped_storage().size() != before:
+            if before:
+                on_free(tensor)
+            on_alloc(tensor)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        if tensor.untyped_storage().size() != 0:
+            on_free(tensor)
+        original_free(tensor)
+
+    patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
+               (_fsdp_param_group, "alloc_storage", alloc_storage)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patched if hasattr(mod, name)]
+    try:
+        for mod, name, fn in patched:
+            if hasattr(mod, name):
+                setattr(mod, name, fn)
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def parallelize_simulated(
+    model: nn.Module, config: TrainConfig, *, finder: BlockFinder | None = None, mode: Any = None,
+) -> nn.Module:
+    """Wrap ``model`` for ``config.strategy`` inside :func:`simulated_ranks`: FSDP2 itself
+    (``_parallel.apply_fsdp``), or :class:`EmulatedDDP` with ``_parallel.apply_ddp``'s options.
+
+    ``mode`` (a fake-tensor mode) is entered for the wrapping only: the device mesh is built
+    outside it, as its rank table must be a real tensor.
+    """
+    if config.strategy == "single":
+        return model
+    mesh = None
+    if config.strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (config.world_size,))
+    with mode if mode is not None else contextlib.nullcontext():
+        if config.strategy == "ddp":
+            return EmulatedDDP(model, world_size=config.world_size)
+        return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder)
+
+
+@dataclass(frozen=True, slots=True)
+class FsdpUnits:
+    """Parameter elements of each FSDP2 unit in forward order: the root's own parameters
+    (embeddings, heads, norms) first, then each block of the block stack."""
+
+    root_numel: int
+    block_numels: tuple[int, ...]
+
+
+def fsdp_units(model: nn.Module, finder: BlockFinder | None = None) -> FsdpUnits:
+    blocks = find_block_stack(model, finder)
+    in_blocks: set[int] = set()
+    numels = []
+    for block in blocks:
+        n = 0
+        for p in block.parameters():
+            if id(p) not in in_blocks:
+                in_blocks.add(id(p))
+                n += p.numel()
+        numels.append(n)
+    root = sum(p.numel() for p in dict.fromkeys(model.parameters()) if id(p) not in in_blocks)
+    return FsdpUnits(root, tuple(numels))
+
+
+def ddp_bucket_bytes(model: nn.Module, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> list[int]:
+    """Bytes of DDP's rebuilt buckets in all-reduce order (gradients become ready roughly in
+    reverse registration order), each closed once it reaches the cap."""
+    cap = int(bucket_cap_mb * _MB)
+    sizes: list[int] = []
+    current = 0
+    for p in reversed([p for p in dict.fromkeys(model.parameters()) if p.requires_grad]):
+        current += p.numel() * p.element_size()
+        if current >= cap:
+            sizes.append(current)
+            current = 0
+    if current:
+        sizes.append(current)
+    return sizes
