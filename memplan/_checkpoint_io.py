@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,10 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     # tensors of the right shapes to load into.
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state, **(extra or {})}
-    dcp.load(state, checkpoint_id=target)
+    with warnings.catch_warnings():
+        # Loading without a process group is the point here (an FSDP run resumed in one process).
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=target)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

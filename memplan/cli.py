@@ -111,6 +111,41 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
 
 
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", default=None, help="devices per machine to plan for (default 1; more searches DDP and FSDP2)")
+    p.add_argument("--nodes", default=None, help="machines to plan for (default 1)")
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed training (torchrun's options)")
+    g.add_argument("--nproc", default=None, help="processes (devices) on this machine (default: what the plan needs)")
+    g.add_argument("--nnodes", default="1", help="machines (default 1); run the same command on each")
+    g.add_argument("--node-rank", default="0", help="this machine's rank (static rendezvous)")
+    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the machines meet (default: this machine)")
+    g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every machine")
+    g.add_argument("--rdzv-backend", default="c10d", help="c10d (default) or static")
+
+
+def _launch_spec(args: argparse.Namespace, nproc: int | None = None):
+    """The launch asked for on the command line; None: none (the plan decides)."""
+    from ._launch import LaunchSpec
+    nproc = nproc if nproc is not None else (parse_count(args.nproc, what="--nproc") if args.nproc else None)
+    nnodes = parse_count(args.nnodes, what="--nnodes")
+    if nproc is None and nnodes == 1:
+        return None
+    return LaunchSpec(
+        nproc_per_node=nproc if nproc is not None else 1, nnodes=nnodes,
+        node_rank=parse_count(args.node_rank, what="--node-rank", minimum=0),
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
+    )
+
+
+def _layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    gpus = parse_count(args.gpus, what="--gpus") if args.gpus else None
+    nodes = parse_count(args.nodes, what="--nodes") if args.nodes else None
+    return gpus, nodes
+
+
 def _search_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         vram=args.vram, gpu=args.gpu, device=args.device,
@@ -129,12 +164,16 @@ class PlanCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         _add_search_args(p)
+        _add_layout_args(p)
         p.add_argument("--out", default=None, help="write the plan as JSON to this file")
         p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     def run(self, args: argparse.Namespace) -> int:
+        from ._fit import layout_kwargs
         from ._search import search
-        plan = search(args.model, progress=not args.json and sys.stderr.isatty(), **_search_kwargs(args))
+        gpus, nodes = _layout(args)
+        plan = search(args.model, progress=not args.json and sys.stderr.isatty(), **_search_kwargs(args),
+                      **layout_kwargs(None, gpus=gpus, nodes=nodes))
         if args.out:
             plan.save(args.out)
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
@@ -169,6 +208,9 @@ def _train_options(args: argparse.Namespace, device: str):
 
 
 def _print_result(result) -> None:
+    if result is None:  # a machine without rank 0
+        print("done: this machine's ranks finished; the machine of rank 0 writes the results")
+        return
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in result.final_metrics.items())
     state = "interrupted; resume with --resume" if result.interrupted else "done"
     print(f"{state}: {result.steps} steps in {result.wall_s:.1f} s; {metrics}; written to {result.out_dir}")
@@ -181,15 +223,30 @@ class FitCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         _add_search_args(p)
+        _add_layout_args(p)
         _add_train_args(p)
+        _add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._fit import train_plan
+        from estimators import ConfigError
+        from ._fit import layout_kwargs, train_plan
         from ._search import resolve_task, search
+        # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
+        gpus, nodes = _layout(args)
+        nproc = parse_count(args.nproc, what="--nproc") if args.nproc else None
+        nnodes = parse_count(args.nnodes, what="--nnodes")
+        if gpus is not None and nproc is not None and gpus != nproc:
+            raise ConfigError(f"fit trains what it plans: --gpus {gpus} and --nproc {nproc} differ; give one of them")
+        if nodes is not None and args.nnodes != "1" and nodes != nnodes:
+            raise ConfigError(f"fit trains what it plans: --nodes {nodes} and --nnodes {nnodes} differ; give one of them")
+        if nodes is not None:
+            args.nnodes = str(nodes)
+        spec = _launch_spec(args, nproc if nproc is not None else gpus)
         task = resolve_task(args.model)
-        plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args))
+        plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args),
+                      **layout_kwargs(spec))
         print(plan.table())
-        result = train_plan(task, plan, _train_options(args, plan.device))
+        result = train_plan(task, plan, _train_options(args, plan.device), launch=spec)
         _print_result(result)
         return 0
 
@@ -202,15 +259,16 @@ class TrainCommand:
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("model", help="model file")
         p.add_argument("--plan", required=True, help="plan.json written by memplan plan --out")
-        p.add_argument("--vram", default=None, help="budget to enforce (default: the plan's)")
+        p.add_argument("--vram", default=None, help="budget to enforce on each device (default: the plan's)")
         _add_train_args(p)
+        _add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import train_plan
         from ._plan import Plan
         task = load_task(args.model)
         plan = Plan.load(args.plan)
-        result = train_plan(task, plan, _train_options(args, plan.device), vram=args.vram)
+        result = train_plan(task, plan, _train_options(args, plan.device), vram=args.vram, launch=_launch_spec(args))
         _print_result(result)
         return 0
 

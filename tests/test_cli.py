@@ -110,3 +110,41 @@ def test_plan_json_and_impossible_budget(write_model, capsys, monkeypatch, tmp_p
     assert code == 2 and err.startswith("memplan: nothing fits in 1.00 kB") and err.count("\n") == 1
     code, _, err = run_cli(capsys, "plan", path, "--vram", "12G")
     assert code == 2 and "cannot read '12G'" in err
+
+
+DDP_PLAN_CONFIG = {"micro_batch_size": 2, "grad_accum_steps": 1, "precision": "fp32", "checkpoint_segments": 0,
+                   "strategy": "ddp", "world_size": 2}
+
+
+def _ddp_plan(tmp_path) -> str:
+    from estimators import Estimate, TrainConfig
+    from memplan._plan import Plan, PlanEntry
+
+    c = TrainConfig(**DDP_PLAN_CONFIG)
+    est = Estimate(config=c, device="cpu", gpu=None, peak_allocated_bytes=10**6, peak_reserved_bytes=None,
+                   breakdown={}, peak_phase="backward", context_bytes=0, workspace_bytes=0, method="static",
+                   modelled=False, params=0, trainable_params=0, samples_per_s=1.0)
+    path = tmp_path / "plan.json"
+    Plan(entries=(PlanEntry(config=c, predicted=est),), budget_bytes=10**9, margin=0.1, device="cpu", gpu=None,
+         global_batch=4, trials=1).save(path)
+    return str(path)
+
+
+def test_train_a_distributed_plan_on_the_wrong_number_of_processes_is_one_line(write_model, tmp_path, capsys):
+    path = write_model(GOOD)
+    code, _, err = run_cli(capsys, "train", path, "--plan", _ddp_plan(tmp_path), "--nproc", "3",
+                           "--out", str(tmp_path / "run"))
+    assert code == 2
+    assert err.count("\n") == 1 and "runs on 2 process(es), but 3 were asked for" in err and "--nproc 2" in err
+
+
+def test_fit_trains_what_it_plans(write_model, capsys):
+    path = write_model(GOOD)
+    code, _, err = run_cli(capsys, "fit", path, "--gpus", "2", "--nproc", "4")
+    assert code == 2 and "--gpus 2 and --nproc 4 differ" in err
+
+
+def test_several_machines_need_a_rendezvous(write_model, tmp_path, capsys):
+    path = write_model(GOOD)
+    code, _, err = run_cli(capsys, "train", path, "--plan", _ddp_plan(tmp_path), "--nproc", "1", "--nnodes", "2")
+    assert code == 2 and "--rdzv-endpoint" in err and "--rdzv-id" in err

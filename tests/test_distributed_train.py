@@ -6,7 +6,7 @@ rank; any other failure on one rank stops the run with a one-line error, no hang
 from __future__ import annotations
 
 import json
-import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.distributed
 # A model with a block stack (FSDP2 shards each block), no dropout (so that runs can match
 # exactly), validation data that does not split evenly over 2 ranks (9 items: 5 and 4), and
 # failures on cue from environment variables the ranks inherit:
-#   OOM_RANK/OOM_ABOVE: that rank runs out of memory inside the second block's forward (after
-#     FSDP2 has all-gathered the first: the other rank is left mid-collective) whenever the
-#     micro-batch is larger than OOM_ABOVE;
+#   OOM_RANK/OOM_ABOVE/OOM_FROM_CALL: that rank runs out of memory inside the second block's
+#     forward (after FSDP2 has all-gathered the first: the other rank is left mid-collective)
+#     whenever the micro-batch is larger than OOM_ABOVE, from the block's OOM_FROM_CALL-th call on;
 #   FAIL_RANK/FAIL_AT_CALL: that rank's forward raises ValueError at that call.
 MODEL = '''
 import os
@@ -47,8 +47,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         limit = os.environ.get("OOM_ABOVE")
+        self.calls = getattr(self, "calls", 0) + 1
         if (self.index == 1 and limit and os.environ.get("RANK") == os.environ.get("OOM_RANK")
-                and x.shape[0] > int(limit)):
+                and x.shape[0] > int(limit) and self.calls >= int(os.environ.get("OOM_FROM_CALL", "1"))):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")
         return torch.tanh(self.fc(x))
 
@@ -84,19 +85,16 @@ def val_data():
 
 '''
 
-FAST = LaunchSpec(nproc_per_node=2, start_method="fork")
-"""``fork``: the ranks inherit this process's imports (seconds each on a shared 2-core machine);
-one test launches with ``spawn``, the default, to cover the path ``memplan train`` takes."""
+FAST = LaunchSpec(nproc_per_node=2, timeout_s=60)
+"""The default start method, ``forkserver``: the first launch of the session starts the server
+(it imports torch once), later launches fork from it in well under a second. A collective
+that waits a minute fails (a hang would be a bug, reported, not waited out)."""
 
 
 @pytest.fixture(autouse=True, scope="module")
-def warm_imports() -> Any:
-    # Imported once here, inherited by the forked ranks (DDP and FSDP2 import torch._dynamo).
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
+def one_thread() -> Any:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # no OpenMP pool in this process: forking it stays safe
+    torch.set_num_threads(1)  # the reference runs share the 2 cores with the ranks
     yield
     torch.set_num_threads(threads)
 
@@ -136,6 +134,27 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "out": out}
 
 
+def descendants() -> set[int]:
+    """Live (not zombie) descendants of this process that are not multiprocessing's own helpers
+    (the forkserver, which outlives a launch by design, and its resource tracker), from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+        if b"multiprocessing.forkserver" in cmdline or b"multiprocessing.resource_tracker" in cmdline:
+            parents.pop(int(stat.parent.name), None)
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
 def model_file(tmp_path: Path) -> Path:
     path = tmp_path / "model.py"
     path.write_text(MODEL)
@@ -153,22 +172,138 @@ def test_rank_shares_are_distributed_sampler_order() -> None:
         assert list(sampler) == perm[rank::world]
 
 
+def write_plan(path: Path, *configs: TrainConfig, budget: int = 10**9) -> Path:
+    """A hand-made plan: the configurations in order (the first is trained, the rest its ladder)."""
+    from estimators import Estimate
+    from memplan._plan import Plan, PlanEntry
+
+    entries = tuple(
+        PlanEntry(config=c, predicted=Estimate(
+            config=c, device="cpu", gpu=None, peak_allocated_bytes=10**6 // (k + 1), peak_reserved_bytes=None,
+            breakdown={}, peak_phase="backward", context_bytes=0, workspace_bytes=0, method="static",
+            modelled=False, params=0, trainable_params=0, samples_per_s=100.0 / (k + 1)))
+        for k, c in enumerate(configs))
+    Plan(entries=entries, budget_bytes=budget, margin=0.1, device="cpu", gpu=None,
+         global_batch=configs[0].global_batch, trials=len(configs)).save(path)
+    return path
+
+
 @pytest.mark.timeout(90)
-def test_ddp_matches_single_process_with_the_same_global_batch(reference: dict[str, Any], tmp_path: Path) -> None:
+def test_ddp_matches_single_process_with_the_same_global_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from memplan.cli import main
+
     path = model_file(tmp_path)
     out = tmp_path / "ddp"
-    t0 = time.perf_counter()
     # micro 2 x accumulation 2 x 2 ranks = 8: accumulation skips the sync of the first micro-batch.
     config = TrainConfig(micro_batch_size=2, grad_accum_steps=2, strategy="ddp", world_size=2)
-    result = launch_training(path, config, opts(out, epochs=1), spec=LaunchSpec(nproc_per_node=2))  # spawn
+    plan = write_plan(tmp_path / "plan.json", config)
+    t0 = time.perf_counter()
+    # The way users run it: the CLI.
+    code = main(["train", str(path), "--plan", str(plan), "--nproc", "2", "--epochs", "1", "--out", str(out),
+                 "--no-progress"])
     seconds = time.perf_counter() - t0
-    assert result is not None and result.steps == 6
-    got, want = losses(out), reference["losses"]
-    print(f"ddp x2 in {seconds:.1f} s; losses {got}; single {want}")
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert printed.out.startswith("done: 6 steps")
+    # The single-process run with the CLI's defaults (cosine schedule, evaluation per epoch).
+    single = tmp_path / "single"
+    train(load_task(path), TrainConfig(micro_batch_size=8), TrainOptions(out_dir=single, epochs=1, progress=False))
+    got, want = losses(out), losses(single)
+    print(f"ddp x2 (CLI) in {seconds:.1f} s; losses {got}; single {want}")
     assert len(got) == 6 and got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    evals = records(out, "eval")
-    assert [e["val_loss"] for e in evals] == pytest.approx([e["val_loss"] for e in reference["evals"]], rel=1e-5)
-    assert [e["val_accuracy"] for e in evals] == [e["val_accuracy"] for e in reference["evals"]]
+    evals, want_evals = records(out, "eval"), records(single, "eval")
+    # Validation: 9 items sharded 5 + 4 over the ranks, sums all-reduced.
+    assert len(evals) == 1 and evals[0]["val_loss"] == pytest.approx(want_evals[0]["val_loss"], rel=1e-5)
+    assert evals[0]["val_accuracy"] == want_evals[0]["val_accuracy"]
+    assert_same_weights(load_checkpoint(out / "model.pt"), load_checkpoint(single / "model.pt"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["samples_seen"] == 48 and summary["peak_memory_bytes"] > 0
+    assert (out / "plan.json").exists() and not list(out.glob("failure-rank*.json"))
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_matches_single_process_and_resumes_at_another_world_size(reference: dict[str, Any], tmp_path: Path) -> None:
+    path = model_file(tmp_path)
+    out = tmp_path / "fsdp"
+    t0 = time.perf_counter()
+    # micro 4 x 2 ranks = 8; the run stops after 3 of the 6 steps, with an FSDP (DCP) checkpoint.
+    config = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=2)
+    result = launch_training(path, config, opts(out, epochs=1, max_steps=3), spec=FAST)
+    seconds = time.perf_counter() - t0
+    assert result is not None and result.steps == 3
+    first = losses(out)
+    assert first == pytest.approx(reference["losses"][:3], rel=1e-5, abs=1e-6)
+    ckpt = load_checkpoint(out / "checkpoint.pt")
+    assert ckpt["model"] is None and ckpt["dcp"].startswith(SHARDED_DIR) and ckpt["world_size"] == 2
+    assert (out / ckpt["dcp"] / ".metadata").exists()
+    assert len(list((out / SHARDED_DIR).iterdir())) == 1  # older sharded checkpoints removed
+
+    # Resume in one plain process (world size 1, same global batch): DCP reshards on load.
+    t1 = time.perf_counter()
+    resumed = Trainer(load_task(path), TrainConfig(micro_batch_size=8), opts(out, epochs=1, resume=True)).run()
+    print(f"fsdp x2 3 steps in {seconds:.1f} s, resumed at W=1 in {time.perf_counter() - t1:.1f} s; "
+          f"losses {losses(out)}; single {reference['losses']}")
+    assert resumed.steps == 6
+    assert losses(out) == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    assert [e["val_loss"] for e in records(out, "eval")] == pytest.approx(
+        [e["val_loss"] for e in reference["evals"]], rel=1e-5)
+    assert [e["val_accuracy"] for e in records(out, "eval")] == [e["val_accuracy"] for e in reference["evals"]]
+    assert_same_weights(load_checkpoint(out / "model.pt"), reference["weights"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_oom_on_one_rank_is_recovered_by_all_ranks(strategy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    reference: dict[str, Any]) -> None:
+    path = model_file(tmp_path)
+    out = tmp_path / strategy
+    # Rank 1 runs out of memory with micro-batches above 2 from step 4 on (after a checkpoint at
+    # step 2 and an evaluation at step 3: its 5th forward pass under DDP, 6th under FSDP, where it
+    # evaluates its 4 validation items plus one padding pass to match rank 0's 5): the plan's
+    # micro 4 fails there, the next rung (micro 2 x accumulation 2, same global batch) fits.
+    monkeypatch.setenv("OOM_RANK", "1")
+    monkeypatch.setenv("OOM_ABOVE", "2")
+    monkeypatch.setenv("OOM_FROM_CALL", "5" if strategy == "ddp" else "6")
+    big = TrainConfig(micro_batch_size=4, strategy=strategy, world_size=2)
+    ladder = [TrainConfig(micro_batch_size=2, grad_accum_steps=2, strategy=strategy, world_size=2),
+              TrainConfig(micro_batch_size=1, grad_accum_steps=4, strategy=strategy, world_size=2)]
+    t0 = time.perf_counter()
+    result = launch_training(path, big, opts(out, epochs=1, checkpoint_every=2), spec=FAST, ladder=ladder)
+    seconds = time.perf_counter() - t0
+    assert result is not None and result.steps == 6 and not result.interrupted
+    (event,) = records(out, "oom_recovery")
+    assert event["step"] == 4 and event["phase"] == "forward" and event["ranks"] == [1]
+    assert event["from"] == big.to_dict() and event["to"] == ladder[0].to_dict()
+    if strategy == "ddp":  # rank 1 wrote a checkpoint of the failed window's start: nothing is redone
+        assert event["window_start_checkpoint"] and event["resume_step"] == 3
+    else:  # FSDP ranks hold shards only: back to the last checkpoint, steps 3-4 are redone
+        assert not event["window_start_checkpoint"] and event["resume_step"] == 2
+    assert "injected by the test" in event["error"] and event["seconds"] > 0
+    print(f"{strategy}: recovered in {event['seconds']:.1f} s (relaunch included); run {seconds:.1f} s")
+    # Nothing lost, nothing counted twice: the same losses as the single-process run (a step
+    # logged before the failure and redone after it counts once, as redone).
+    logged = {r["step"]: r["loss"] for r in records(out, "step")}
+    assert [logged[k] for k in range(1, 7)] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
     assert_same_weights(load_checkpoint(out / "model.pt"), reference["weights"])
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["samples_seen"] == 48
+    assert summary["config"] == ladder[0].to_dict() and len(summary["recoveries"]) == 1
+    assert load_checkpoint(out / "checkpoint.pt")["config"] == ladder[0].to_dict()
+    assert not list(out.glob("oom-rank*.json"))
+
+
+@pytest.mark.timeout(90)
+def test_another_error_on_one_rank_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = model_file(tmp_path)
+    monkeypatch.setenv("FAIL_RANK", "1")
+    monkeypatch.setenv("FAIL_AT_CALL", "3")
+    children_before = descendants()
+    config = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=2)
+    t0 = time.perf_counter()
+    with pytest.raises(TrainingError) as info:
+        launch_training(path, config, opts(tmp_path / "fail", epochs=1), spec=FAST)
+    seconds = time.perf_counter() - t0
+    message = str(info.value)
+    print(f"failed in {seconds:.1f} s: {message}")
+    assert message.startswith("training failed on rank 1: ValueError: the model fell over") and "\n" not in message
+    assert "rank 0 stopped with it" in message and "Traceback" in json.loads((tmp_path / "fail" / "failure-rank1.json").read_text())["traceback"]
+    assert not descendants() - children_before  # no rank left running
