@@ -55,9 +55,12 @@ class TrainConfig:
     """``single`` device, ``ddp`` or ``fsdp`` (FSDP2)."""
     world_size: int = 1
     """Data-parallel processes."""
+    nodes: int = 1
+    """Machines the ``world_size`` processes are spread over, evenly (``world_size % nodes ==
+    0``): collectives between nodes cross the network, which the step-time model prices."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "grad_accum_steps", "world_size"):
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -70,6 +73,11 @@ class TrainConfig:
             raise ConfigError(f"unknown strategy {self.strategy!r}; use single, ddp or fsdp")
         if self.strategy == "single" and self.world_size != 1:
             raise ConfigError("strategy 'single' runs on one device; set world_size=1 or use ddp/fsdp")
+        if self.world_size % self.nodes:
+            raise ConfigError(
+                f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
+                "use a world size that is a multiple of the node count"
+            )
 
     @property
     def global_batch(self) -> int:
@@ -97,5 +105,6 @@ class TrainConfig:
         if self.checkpoint_segments:
             parts.append(f"{self.checkpoint_segments} checkpoint segments")
         if self.strategy != "single":
-            parts.append(f"{self.strategy} x{self.world_size}")
+            parts.append(f"{self.strategy} x{self.world_size}"
+                         + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
         return ", ".join(parts)

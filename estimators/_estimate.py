@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._allocator import CachingAllocatorSim
+from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._config import TrainConfig, normalize_precision
 from ._distributed import FsdpUnits
 from ._errors import ConfigError
@@ -455,6 +456,12 @@ class Estimator:
         seconds *= self._calibration.factor
         if self._calibration.ratios:
             notes.append(f"step time calibrated on {len(self._calibration.ratios)} probe(s)")
+        comm = self._comm_time(config, p)
+        if comm is not None:
+            # Added after calibration: probes run on one device and measure no communication.
+            seconds += comm.exposed_s
+            notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
+                         f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
         assert self.spec is not None or not cuda
         return Estimate(
             step_time_s=seconds,
@@ -474,6 +481,31 @@ class Estimator:
             trainable_params=trainable,
             notes=tuple(notes),
         )
+
+    def _comm_time(self, config: TrainConfig, p: _Prepared) -> CommTime | None:
+        """Collectives of one optimizer step and the part backward and forward do not hide."""
+        if config.strategy == "single" or config.world_size == 1:
+            return None
+        facts = self._model_facts()
+        link = ring_bandwidth(self.spec, config.nodes)
+        forward_s = self._pass_time(p, "forward")
+        backward_s = self._pass_time(p, "backward")
+        if config.strategy == "ddp":
+            return ddp_comm(facts.ddp_buckets, backward_s, config, link)
+        # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32.
+        param_bytes = 2 if config.precision != "fp32" else 4
+        return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, 4,
+                         forward_s, backward_s, config, link)
+
+    def _pass_time(self, p: _Prepared, kind: str) -> float:
+        """Compute time of one steady-state micro-batch's forward or backward pass."""
+        costs = p.op_costs()
+        keep = np.asarray([p.phase_labels[int(ph)].endswith(kind) for ph in costs.phase], dtype=bool)
+        if not keep.any():
+            return 0.0
+        subset = OpCosts(costs.flops[keep], costs.bytes_moved[keep], [d for d, k in zip(costs.dtype, keep) if k],
+                         costs.phase[keep], [n for n, k in zip(costs.names, keep) if k])
+        return step_time(subset, p.phase_labels, 1, self.rates())
 
     def _param_counts(self) -> tuple[int, int]:
         facts = self._model_facts()

@@ -1,0 +1,161 @@
+"""Per-rank memory of ddp and fsdp: the one-process simulation against real gloo ranks."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from estimators import ConfigError, Estimator, TrainConfig, load_task
+from estimators._comm import INTER_NODE_BYTES_PER_S, all_gather_s, all_reduce_s
+from estimators._measure import measure_distributed_peaks
+
+pytestmark = pytest.mark.distributed
+
+# A GPT-shaped LM with tied embeddings whose activations dominate its parameters, so that
+# gloo's own collective buffers (allocated on its worker thread at timing-dependent moments,
+# at most a block's parameters; NCCL allocates none) stay well inside the tolerance.
+LM_SOURCE = """
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=256, d=64, layers=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def model():
+    return TinyLM()
+
+
+def train_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (64, 129), generator=g)
+    return torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:])
+"""
+
+CONFIGS = [
+    # Per strategy: fp32 without accumulation; bf16-mixed with accumulation (the skipped-sync
+    # micro-batch included) and checkpointing.
+    TrainConfig(micro_batch_size=6, strategy="ddp", world_size=2),
+    TrainConfig(micro_batch_size=6, strategy="ddp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
+                checkpoint_segments=2),
+    TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2),
+    TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
+                checkpoint_segments=2),
+]
+
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("dist") / "lm.py"
+    path.write_text(LM_SOURCE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def measured(lm_path: str):
+    # Every configuration in one pair of gloo processes: spawning costs more than the steps.
+    return dict(zip(CONFIGS, measure_distributed_peaks(lm_path, CONFIGS)))
+
+
+@pytest.fixture(scope="module")
+def estimator(lm_path: str) -> Estimator:
+    return Estimator(load_task(lm_path), device="cpu")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.describe() for c in CONFIGS])
+def test_per_rank_peak_matches_real_gloo_ranks(config, estimator, measured):
+    est = estimator.estimate(config, exact=True)
+    assert est.method == "traced"
+    for rank, m in enumerate(measured[config]):
+        err = abs(est.peak_allocated_bytes - m.peak_bytes) / m.peak_bytes
+        assert err < 0.03, (rank, est.peak_allocated_bytes, m.peak_bytes)
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_memory_per_rank_falls_with_world_size(lm_path):
+    estimator = Estimator(load_task(lm_path), gpu="A100-80GB")
+    peaks, params = [], []
+    for w in (1, 2, 4, 8):
+        est = estimator.estimate(TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=w), exact=True)
+        peaks.append(est.peak_allocated_bytes)
+        params.append(est.breakdown["optimizer"])
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+    # AdamW's two moments are sharded: the optimizer state per rank halves with W (padding aside).
+    assert params[3] < params[0] / 6
+    ddp = estimator.estimate(TrainConfig(micro_batch_size=4, strategy="ddp", world_size=8), exact=True)
+    assert ddp.peak_allocated_bytes > peaks[0] * 0.9  # DDP replicates everything
+
+
+@pytest.mark.timeout(60)
+def test_fake_process_group_does_not_leak(lm_path):
+    Estimator(load_task(lm_path), gpu="A100-80GB").estimate(
+        TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=4), exact=True)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_a_real_process_group_is_refused(lm_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="already initialised"):
+            Estimator(load_task(lm_path), gpu="A100-80GB").estimate(
+                TrainConfig(micro_batch_size=2, strategy="ddp", world_size=2), exact=True)
+        assert dist.is_initialized()  # the user's group is left alone
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_communication_is_priced_and_crosses_nodes(lm_path):
+    estimator = Estimator(load_task(lm_path), gpu="H100-80GB")
+    single = estimator.estimate(TrainConfig(micro_batch_size=4), exact=True)
+    one_node = estimator.estimate(TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=8), exact=True)
+    two_nodes = estimator.estimate(TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=8, nodes=2),
+                                   exact=True)
+    assert any("communication" in n for n in one_node.notes)
+    assert two_nodes.step_time_s > one_node.step_time_s
+    assert not any("communication" in n for n in single.notes)
+    # Ring costs: an all-reduce moves twice what an all-gather of the same size does.
+    link = (INTER_NODE_BYTES_PER_S, 0.0)
+    assert all_reduce_s(1e9, 8, link) == pytest.approx(2 * all_gather_s(1e9, 8, link))
+    assert all_gather_s(1e9, 1, link) == 0.0
+
+
+def test_nodes_field_validates_and_round_trips():
+    config = TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=16, nodes=2)
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    assert "2 nodes" in config.describe()
+    with pytest.raises(ConfigError, match="nodes"):
+        TrainConfig(micro_batch_size=2, strategy="ddp", world_size=6, nodes=4)
