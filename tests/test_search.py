@@ -169,3 +169,20 @@ def test_ladder_keeps_strategy_and_world_size_and_plan_says_how_to_launch():
     assert rungs == [entries[2].config, entries[3].config]  # never fsdp, never single
     assert plan.launch == {"nproc_per_node": 2, "nnodes": 1}
     assert Plan.from_dict(plan.to_dict()).launch == plan.launch
+
+
+def test_search_for_two_devices_splits_the_global_batch_and_shards():
+    task = mlp_task()
+    single = search(task, vram="1GB", device="cpu", global_batch=8, precisions=["fp32"], trials=40, probe_top=0)
+    plan = search(task, vram="1GB", device="cpu", gpus=2, global_batch=8, precisions=["fp32"],
+                  strategies=("fsdp",), trials=40, probe_top=0)
+    assert {(e.config.strategy, e.config.world_size) for e in plan.entries} == {("fsdp", 2)}
+    assert all(e.config.global_batch == 8 for e in plan.entries)
+    assert plan.launch == {"nproc_per_node": 2, "nnodes": 1}
+    assert any("ranked by prediction" in n for n in plan.notes)
+    # The same micro-batch needs less memory per rank with FSDP2 (parameters, gradients and
+    # optimizer state sharded over the two ranks).
+    fsdp = {e.config.micro_batch_size: e.peak_bytes for e in plan.entries}
+    one = {e.config.micro_batch_size: e.peak_bytes for e in single.entries}
+    shared = set(fsdp) & set(one)
+    assert shared and all(fsdp[k] < one[k] for k in shared)
