@@ -14,6 +14,7 @@ from estimators import (
 __version__ = "0.1.0"
 
 from ._fit import fit, train_plan  # noqa: E402 - the version is read by provenance()
+from ._launch import LaunchSpec, launch_training  # noqa: E402
 from ._plan import Plan, PlanEntry  # noqa: E402
 from ._recovery import keep_global_batch  # noqa: E402
 from ._search import search  # noqa: E402
@@ -22,6 +23,6 @@ from ._trainer import TrainOptions, TrainResult, train  # noqa: E402
 __all__ = [
     "ConfigError", "Estimate", "Estimator", "MemplanError", "ModelFileError", "NoFeasiblePlanError",
     "Task", "TrainConfig", "TrainingError", "estimate", "format_size", "load_task", "parse_size",
-    "Plan", "PlanEntry", "TrainOptions", "TrainResult", "fit", "keep_global_batch", "search", "train", "train_plan",
-    "__version__",
+    "LaunchSpec", "Plan", "PlanEntry", "TrainOptions", "TrainResult", "fit", "keep_global_batch", "search", "train", "train_plan",
+    "launch_training", "__version__",
 ]

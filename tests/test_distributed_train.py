@@ -104,6 +104,7 @@ def opts(out: Path, **kw: Any) -> TrainOptions:
     kw.setdefault("num_workers", 0)
     kw.setdefault("schedule", "constant")
     kw.setdefault("eval_every", 3)
+    kw.setdefault("ema_decay", 0.9)  # evaluated and written: EMA weights sharded, gathered, checkpointed
     return TrainOptions(out_dir=out, **kw)
 
 
