@@ -31,7 +31,7 @@ from ._distributed import FsdpUnits
 from ._errors import ConfigError
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
-from ._timing import DeviceRates, OpCosts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time
+from ._timing import DeviceRates, OpCosts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts
 from ._trace import Category, DataDependentShapes, Trace, trace_step
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
@@ -183,12 +183,14 @@ class Estimator:
         return self._rates
 
     def calibrate(self, config: TrainConfig, measured_step_time_s: float) -> None:
-        """Refit the step-time model with a probe's measurement of ``config``."""
+        """Refit the step-time model with a probe's measurement of ``config``: the per-op
+        fixed cost and the work are refitted apart once probes differ in their mix of the two
+        (see ``TimeCalibration``)."""
+        self.check_config(config)
         with self._lock:
-            factor = self._calibration.factor
-            predicted = self.estimate(config).step_time_s
-        if predicted:
-            self._calibration.add(predicted / factor, measured_step_time_s)
+            p, _ = self._events(config)
+            parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
+            self._calibration.add(parts, measured_step_time_s)
 
     def check_config(self, config: TrainConfig) -> None:
         if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
@@ -453,9 +455,10 @@ class Estimator:
             reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
         params, trainable = self._param_counts()
         seconds = step_time(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
-        seconds *= self._calibration.factor
-        if self._calibration.ratios:
-            notes.append(f"step time calibrated on {len(self._calibration.ratios)} probe(s)")
+        if self._calibration.points:
+            seconds += self._calibration.correction(
+                step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates()))
+            notes.append(f"step time calibrated on {len(self._calibration.points)} probe(s)")
         comm = self._comm_time(config, p)
         if comm is not None:
             # Added after calibration: probes run on one device and measure no communication.
