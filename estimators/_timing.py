@@ -7,21 +7,23 @@ ops count only their bytes. Recomputation under checkpointing, the optimizer ste
 GradScaler's extra kernels are ops of the trace like any other, so they are priced too.
 
 Rates. For a GPU: the spec table's dense TFLOP/s per dtype and memory bandwidth times
-efficiency factors. For the CPU: measured once per machine and thread count (~2-4 s) and cached
-in ``~/.cache/memplan``, per op class and dtype (:data:`OP_CLASSES`): a CPU's speed differs far
-more between classes than inside one. On an AVX2 core without native bf16 instructions, bf16
-GEMMs run ~40x slower than fp32 ones, while a bf16 add is about as fast as an fp32 one; one
-FLOP/s figure and one bandwidth cannot price both. Compute-bound classes have a forward and a
-backward rate (ops in a "backward" phase), since the backward runs other kernels: on that core
-a bf16 convolution's backward is ~6x faster than its forward, a bf16 GEMM's backward ~3x
-slower. The per-op overhead is measured on a tiny training step (forward, backward, optimizer),
-whose time is all overhead. With one torch thread the rates are timed in process CPU time, so a
-busy machine's time slices do not end up in the cache (its cache and memory contention still do).
+efficiency factors. For the CPU: measured once per machine and thread count (3-9 s at one
+thread on a shared 2-core machine) and cached in ``~/.cache/memplan``, per op class and dtype
+(:data:`OP_CLASSES`): a CPU's speed differs far more between classes than inside one. On an
+AVX2 core without native bf16 instructions, bf16 GEMMs run 15-35x slower than fp32 ones, while
+a bf16 add is about as fast as an fp32 one; one FLOP/s figure and one bandwidth cannot price
+both. Compute-bound classes have a forward and a backward rate (ops in a "backward" phase),
+since the backward runs other kernels: on that core a bf16 convolution's backward is ~6x faster
+than its forward, a bf16 GEMM's backward ~3x slower. The per-op overhead is measured on a tiny
+training step (forward, backward, optimizer), whose time is all overhead. With one torch thread
+the rates are timed in process CPU time, so a busy machine's time slices do not end up in the
+cache (its cache and memory contention still do).
 
 Calibration (:class:`TimeCalibration`). A probe's measured step time refits the model per
-task and device: ``a * overhead + b * work``, two non-negative coefficients, because the two
-parts scale differently: the overhead is the same at every batch size (it dominates small
-batches), the work grows with the batch.
+task and device: ``a * overhead + sum of b_d * work_d`` over the ops' dtypes d, non-negative
+coefficients, because the parts scale differently: the overhead is the same at every batch
+size (it dominates small batches), the work grows with the batch, and each dtype's kernels are
+their own code. A dtype no probe ran keeps its measured rates.
 """
 
 from __future__ import annotations
