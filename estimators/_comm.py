@@ -17,7 +17,7 @@ Overlap, as the engines schedule it:
   and then the excess is exposed too. Micro-batches under ``no_sync`` communicate nothing.
 * FSDP2 all-gathers each unit's parameters before its forward and again before its
   backward (blocks are resharded after forward; the root is not), and reduce-scatters each
-  unit's gradients after its backward (on the synchronised micro-batch only). The first
+  unit's gradients after its backward (every micro-batch: gradients stay sharded). The first
   all-gather of a pass waits for nothing to overlap with and the last reduce-scatter has
   nothing left to hide behind: both are exposed; the rest overlaps compute, and whatever
   exceeds the pass's compute is exposed.
@@ -112,7 +112,9 @@ def fsdp_comm(units: list[int] | tuple[int, ...], root: int, param_bytes: int, g
     gathers_bwd = [all_gather_s(n * param_bytes, w, link) for n in reversed(units) if n]
     scatters = [reduce_scatter_s(n * grad_bytes, w, link) for n in (*reversed(units), root) if n]
     micro = config.grad_accum_steps
-    total = micro * (sum(gathers_fwd) + sum(gathers_bwd)) + sum(scatters)
+    # Every micro-batch reduce-scatters its gradients (``_parallel.gradient_sync``: FSDP2
+    # accumulates sharded gradients, never unsharded ones).
+    total = micro * (sum(gathers_fwd) + sum(gathers_bwd) + sum(scatters))
     if not gathers_fwd:
         return CommTime(0.0, 0.0)
 
@@ -125,7 +127,6 @@ def fsdp_comm(units: list[int] | tuple[int, ...], root: int, param_bytes: int, g
         return head + tail + max(0.0, hidden - compute_s)
 
     fwd = pass_exposed(gathers_fwd, forward_s, True, False)
-    bwd_no_sync = pass_exposed(gathers_bwd, backward_s, False, False)
-    bwd_sync = pass_exposed(gathers_bwd + scatters, backward_s, False, True)
-    exposed = micro * fwd + (micro - 1) * bwd_no_sync + bwd_sync
+    bwd = pass_exposed(gathers_bwd + scatters, backward_s, False, True)
+    exposed = micro * (fwd + bwd)
     return CommTime(total, exposed)

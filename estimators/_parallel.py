@@ -11,8 +11,8 @@ How a configuration's ``strategy`` maps onto ``torch.distributed``:
   parameters are resharded after forward (``reshard_after_forward=True``), as torchtitan does.
   Under ``bf16-mixed``/``fp16-mixed`` the unsharded parameters are gathered in the low
   precision and gradients are reduced in fp32 (``MixedPrecisionPolicy``); autocast stays on
-  around the forward pass, as in single-device training. Accumulation turns gradient
-  reduction off (``set_requires_gradient_sync(False)``) until the last micro-batch.
+  around the forward pass, as in single-device training. Accumulation keeps gradient
+  reduction on for every micro-batch: gradients stay sharded (see :func:`gradient_sync`).
 
 Both wrappers are applied after activation checkpointing, which patches block ``forward``
 methods on the instances and so survives wrapping.
@@ -111,8 +111,12 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within the block, gradients are (``enabled``) or are not reduced across ranks.
 
     Accumulation runs every micro-batch but the last of a window with ``enabled=False``.
+    FSDP2 ignores it and reduce-scatters every micro-batch: skipping its sync would keep an
+    *unsharded* gradient of every parameter alive across the window — the whole model's
+    gradients on every rank, which is what FSDP is there to avoid (a 7B model: +27 GB per
+    rank). torchtitan accumulates the same way.
     """
-    if enabled:
+    if enabled or _is_fsdp(model):
         yield
         return
     from torch.nn.parallel import DistributedDataParallel
@@ -130,6 +134,12 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
     finally:
         setter(True)
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from estimators._checkpoint import find_block_stack
 from estimators import ConfigError, Estimator, TrainConfig, load_task
 from estimators._comm import INTER_NODE_BYTES_PER_S, all_gather_s, all_reduce_s
 from estimators._measure import measure_distributed_peaks
@@ -60,8 +61,8 @@ def train_data():
 """
 
 CONFIGS = [
-    # Per strategy: fp32 without accumulation; bf16-mixed with accumulation (the skipped-sync
-    # micro-batch included) and checkpointing.
+    # Per strategy: fp32 without accumulation; bf16-mixed with accumulation (DDP's skipped-sync
+    # micro-batches, FSDP2's per-micro-batch reduce-scatters) and checkpointing.
     TrainConfig(micro_batch_size=6, strategy="ddp", world_size=2),
     TrainConfig(micro_batch_size=6, strategy="ddp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
                 checkpoint_segments=2),
@@ -94,9 +95,18 @@ def estimator(lm_path: str) -> Estimator:
 def test_per_rank_peak_matches_real_gloo_ranks(config, estimator, measured):
     est = estimator.estimate(config, exact=True)
     assert est.method == "traced"
+    # gloo (not NCCL) allocates scratch of its own on its worker thread during FSDP2's
+    # collectives — up to one unit's gathered parameters plus its unsharded gradients — at
+    # moments that depend on thread timing; the prediction leaves it out, so a CPU rank may
+    # measure above it by at most that much.
+    scratch = 0
+    if config.strategy == "fsdp":
+        unit = max(sum(p.numel() for p in block.parameters()) for block in
+                   find_block_stack(estimator.task.build_model(), estimator.task.checkpoint_blocks))
+        scratch = unit * (4 + (2 if config.precision != "fp32" else 4))
     for rank, m in enumerate(measured[config]):
-        err = abs(est.peak_allocated_bytes - m.peak_bytes) / m.peak_bytes
-        assert err < 0.03, (rank, est.peak_allocated_bytes, m.peak_bytes)
+        low, high = est.peak_allocated_bytes * 0.97, (est.peak_allocated_bytes + scratch) / 0.97
+        assert low <= m.peak_bytes <= high, (rank, est.peak_allocated_bytes, m.peak_bytes, scratch)
 
 
 @pytest.mark.timeout(60)
