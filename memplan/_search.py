@@ -183,6 +183,12 @@ def search(
         layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
     )
 
+    if probe_top > 0 and probe_fn is None and _can_probe(estimator, gpu) and all(
+            layout.strategy == "single" for layout in space.layouts):
+        # The probe server imports torch while the estimates run, not when the first probe waits.
+        from estimators._probe import prestart
+        prestart()
+
     cache: dict[TrainConfig, Estimate] = {}
 
     def evaluate(config: TrainConfig) -> Estimate:
@@ -298,7 +304,7 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             return real_probe(t, c, device=estimator.device, budget_bytes=budget)
     notes: list[str] = []
     probed: list[PlanEntry] = []
-    rest = list(entries)
+    rest = _probe_order(entries)
     while rest and len(probed) < top:
         entry = rest.pop(0)
         result = probe_fn(task, entry.config, limit)
@@ -327,6 +333,24 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     behind = [e for e in refreshed if e not in ahead]
     ranking = ahead + measured_sorted + sorted(behind, key=lambda e: -e.samples_per_s)
     return ranking, notes
+
+
+def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:
+    """The best configuration first, then the best of each other precision, then the rest.
+
+    Probes calibrate the time model per precision: a bf16 step's speed on a CPU depends on
+    kernels an fp32 probe says nothing about, so one probe of each precision keeps the
+    unprobed configurations' predictions honest.
+    """
+    if not entries:
+        return []
+    first: list[PlanEntry] = [entries[0]]
+    seen = {entries[0].config.precision}
+    for e in entries[1:]:
+        if e.config.precision not in seen:
+            first.append(e)
+            seen.add(e.config.precision)
+    return first + [e for e in entries if e not in first]
 
 
 def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:
