@@ -297,22 +297,28 @@ def _rank_main(job: _RankJob) -> TrainResult | None:
         torch.set_num_threads(job.threads)
         dist.init_process_group("gloo", **timeout)
     options = replace(options, device=str(device))
-    failed = False
     try:
         task = load_task(job.model_path)
         guard = (MemoryGuard(job.budget_bytes, device=device.type) if job.budget_bytes is not None else None)
         trainer = Trainer(task, TrainConfig.from_dict(job.config), options, memory_guard=guard,
                           ladder=job.ladder, recovery_state=job.recovery_state)
+        _KEEP_ALIVE.append(trainer)
         result = trainer.run()
     except BaseException as exc:
-        failed = True
         if not isinstance(exc, DistributedOOM):
             _write_failure(options.out_dir, rank, exc)
         raise
-    finally:
-        if not failed:
-            dist.destroy_process_group()
+    # No destroy_process_group(), no freeing of the model: see _KEEP_ALIVE.
     return result if rank == 0 else None
+
+
+_KEEP_ALIVE: list[Any] = []
+"""What holds a rank's process group (the trainer: DDP's reducer, FSDP2's mesh) stays alive until
+the process ends, which multiprocessing does with ``os._exit`` -- no destructor runs. Freeing it
+can deadlock (seen here about once in ten gloo runs): ``~ProcessGroupGloo`` joins its worker
+threads while the main thread holds the GIL, and a worker that is releasing a finished
+collective's tensor waits for the GIL to drop the tensor's Python object. Then the rank never
+hands its result back and torchrun's agent waits for it forever."""
 
 
 _AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_ADDR",

@@ -27,9 +27,11 @@ pytestmark = pytest.mark.distributed
 #   OOM_RANK/OOM_ABOVE/OOM_FROM_CALL: that rank runs out of memory inside the second block's
 #     forward (after FSDP2 has all-gathered the first: the other rank is left mid-collective)
 #     whenever the micro-batch is larger than OOM_ABOVE, from the block's OOM_FROM_CALL-th call on;
-#   FAIL_RANK/FAIL_AT_CALL: that rank's forward raises ValueError at that call.
+#   FAIL_RANK/FAIL_AT_CALL: that rank's forward raises ValueError at that call;
+#   TERM_RANK/TERM_AT_CALL: that rank sends itself SIGTERM at that forward call.
 MODEL = '''
 import os
+import signal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,6 +66,8 @@ class Net(nn.Module):
         _calls[0] += 1
         if os.environ.get("RANK") == os.environ.get("FAIL_RANK") and _calls[0] == int(os.environ.get("FAIL_AT_CALL", "0")):
             raise ValueError("the model fell over (injected by the test)")
+        if os.environ.get("RANK") == os.environ.get("TERM_RANK") and _calls[0] == int(os.environ.get("TERM_AT_CALL", "0")):
+            os.kill(os.getpid(), signal.SIGTERM)
         x = self.inp(x)
         for b in self.blocks:
             x = b(x)
@@ -308,3 +312,37 @@ def test_another_error_on_one_rank_stops_the_run_with_one_line(tmp_path: Path, m
     assert message.startswith("training failed on rank 1: ValueError: the model fell over") and "\n" not in message
     assert "rank 0 stopped with it" in message and "Traceback" in json.loads((tmp_path / "fail" / "failure-rank1.json").read_text())["traceback"]
     assert not descendants() - children_before  # no rank left running
+
+
+@pytest.mark.timeout(60)
+def test_an_oom_below_the_last_rung_is_one_line_naming_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = model_file(tmp_path)
+    monkeypatch.setenv("OOM_RANK", "1")
+    monkeypatch.setenv("OOM_ABOVE", "0")  # every micro-batch
+    config = TrainConfig(micro_batch_size=4, strategy="ddp", world_size=2)
+    with pytest.raises(TrainingError) as info:
+        launch_training(path, config, opts(tmp_path / "out", epochs=1), spec=FAST,
+                        ladder=[TrainConfig(micro_batch_size=2, grad_accum_steps=2, strategy="ddp", world_size=2)])
+    message = str(info.value)
+    assert message.startswith("ran out of memory at step 1 in forward on rank(s) 1 with micro-batch 2, x2 accumulation")
+    assert "no smaller configuration with the same global batch of 8" in message and "\n" not in message
+    assert "tried: micro-batch 4, fp32, ddp x2; micro-batch 2, x2 accumulation, fp32, ddp x2" in message
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_on_one_rank_stops_all_at_one_step_and_resumes(reference: dict[str, Any], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = model_file(tmp_path)
+    out = tmp_path / "term"
+    monkeypatch.setenv("TERM_RANK", "1")
+    monkeypatch.setenv("TERM_AT_CALL", "2")  # during step 2, on rank 1 only
+    config = TrainConfig(micro_batch_size=4, strategy="ddp", world_size=2)
+    first = launch_training(path, config, opts(out, epochs=1), spec=FAST)
+    assert first is not None and first.interrupted and first.steps == 2
+    assert first.summary["stop_signal"] == "peer"  # rank 0 stopped because rank 1 was told to
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
+    monkeypatch.delenv("TERM_RANK")
+    resumed = launch_training(path, config, opts(out, epochs=1, resume=True), spec=FAST)
+    assert resumed is not None and resumed.steps == 6 and not resumed.interrupted
+    assert losses(out) == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    assert_same_weights(load_checkpoint(out / "model.pt"), reference["weights"])
