@@ -1,4 +1,5 @@
-"""The built-in trainer: runs one ``TrainConfig`` on one device, exactly as the estimator predicted it.
+"""The built-in trainer: runs one ``TrainConfig`` on one device -- or as one rank of a DDP/FSDP2
+run (:mod:`memplan._launch` starts the ranks) -- exactly as the estimator predicted it.
 
 Read :meth:`Trainer.run` top to bottom: set up (model, optimizer, schedule, data), resume if
 asked, then loop over *optimizer-step windows* — ``grad_accum_steps`` micro-batches and one
@@ -21,7 +22,10 @@ Data order is a pure function of ``(seed, epoch)``: each epoch is a permutation 
 generator seeded with both, cut into micro-batches, grouped into windows of
 ``micro_batch_size * grad_accum_steps`` samples. A run therefore resumes at any window boundary
 by recomputing the permutation and starting at the saved sample offset — even with another
-micro-batch size, as long as the global batch is the same (what OOM recovery will need).
+micro-batch size, as long as the global batch is the same (what OOM recovery will need). The
+permutation is ``DistributedSampler``'s; with ``W`` ranks the last ``n % W`` items are dropped and
+rank ``r`` trains positions ``r::W`` of each window, so a distributed run's step is the same
+samples as a single-process step with the same global batch (and matches it to fp32 rounding).
 
 What a run writes to ``out_dir``:
 
@@ -40,6 +44,8 @@ What a run writes to ``out_dir``:
                     to a smaller configuration, ``{"type": "resume", ...}`` when resumed
                     (appended to; lines logged after the last checkpoint of a crashed run repeat).
                     NaN/inf are written as the strings ``"nan"``/``"inf"``.
+``checkpoint-dcp/``  FSDP2 runs only: the sharded tensors of the checkpoint (``torch.distributed.checkpoint``).
+``oom-rank<R>.json`` / ``failure-rank<R>.json``   distributed runs only: what a failed rank leaves for the launcher.
 ``summary.json``    wall time, steps, best and final metrics, measured vs predicted peak memory,
                     the OOM ``recoveries``.
 
