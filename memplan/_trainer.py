@@ -794,7 +794,8 @@ class Trainer:
             # With full micro-batches this is the usual loss / grad_accum_steps. Every rank has
             # as many samples, so DDP's and FSDP's mean over ranks is the mean over the window.
             weight = len(indices) / window.n_items
-            # Gradients are reduced across ranks in the last micro-batch's backward only.
+            # DDP reduces gradients across ranks in the last micro-batch's backward only; FSDP2
+            # reduce-scatters every micro-batch (its gradients stay sharded); _parallel decides.
             with _parallel.gradient_sync(self._wrapped, k == last):
                 self._set_phase("forward")
                 with _precision.forward_context(config.precision, self.device.type):
