@@ -313,7 +313,7 @@ def render(cmd: str, meta: dict, results: list[dict], overheads: list[dict], rat
         later = [o["overhead_s"] for o in overheads[1:] if o.get("status", "ok") == "ok"]
         out.append(f"- first probe of the process ({first['model']}, {first['config']}): overhead "
                    f"{first['overhead_s']:.2f} s (wall {first['wall_s']:.2f} s; the probe server was started by "
-                   "`prestart()` before the CPU rates and traces were measured, as a search does; what is left "
+                   "`prestart()` after the CPU rates and before the traces were measured, as a search does; what is left "
                    "of its start, if anything, is in this number)")
         if later:
             out.append(f"- later probes (n={len(later)}): median overhead {statistics.median(later):.2f} s, "
@@ -377,21 +377,22 @@ def main() -> None:
             old = json.loads(Path(args.save).read_text())
             if old.get("machine") == measurements["machine"] and old.get("clock") == measurements["clock"]:
                 measurements["points"] = old.get("points", {})
-    if not args.cache:
-        from estimators._probe import prestart
-
-        # As a search does: the probe server imports torch while the rates and traces are
-        # measured, so a probe's overhead is its own (fork, task load, model build, result).
-        prestart()
     if args.cache and "rates" in measurements:
         rates = DeviceRates(**measurements["rates"])
         rates_file = f"{args.cache}, measured with its steps"
     else:
         # Measured afresh by default: a rates file cached on a busy machine would be compared
-        # with steps measured on a quiet one.
+        # with steps measured on a quiet one. Before the probe server starts: its torch import
+        # competing for the two cores made the 2-thread rates 3-30x wrong.
         rates = cpu_rates(refresh=not args.keep_rates)
         rates_file = cpu_rates_path().name
         measurements["rates"] = asdict(rates)
+    if not args.cache:
+        from estimators._probe import prestart
+
+        # As a search does: the probe server imports torch while the traces are measured, so
+        # a probe's overhead is its own (fork, task load, model build, result).
+        prestart()
     rates_info = {"file": rates_file, "overhead_us": rates.op_overhead_s * 1e6, "class_rates": rates.class_rates}
     overheads: list[dict] = [] if not args.cache else list(measurements.get("probe_overhead", []))
     results = []

@@ -185,7 +185,10 @@ def search(
 
     if probe_top > 0 and probe_fn is None and _can_probe(estimator, gpu) and all(
             layout.strategy == "single" for layout in space.layouts):
-        # The probe server imports torch while the estimates run, not when the first probe waits.
+        # The probe server imports torch while the estimates run, not when the first probe
+        # waits — after the machine's rates are known: measuring them while the server's
+        # import competes for the cores would cache wrong rates for good.
+        estimator.rates()
         from estimators._probe import prestart
         prestart()
 
