@@ -346,7 +346,7 @@ def test_fresh_interpreter_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert result.status == "ok", result.message
     reference = measure_cpu_peak(load_task(path), config).peak_bytes
     assert result.estimate.peak_allocated_bytes == pytest.approx(reference, rel=0.02)
-    assert descendants(os.getpid()) <= {_zygote().proc.pid}
+    assert_no_probe_children()
 
 
 # --------------------------------------------------------------------------- is_oom_error
