@@ -8,7 +8,9 @@ exist before profiling starts, so they are added as a baseline.
 :func:`measure_distributed_peaks` does the same on every rank of a real ``ddp`` or ``fsdp``
 run: W processes with the gloo backend, wrapped by ``estimators._parallel`` exactly as the
 trainer wraps. What wrapping allocates or frees (DDP's buckets, FSDP2's sharding) is profiled
-too and counted in the baseline; the peak is taken over the training steps.
+too and counted in the baseline; the peak is taken over the training steps. Blocks that other
+threads allocate there (gloo's collective scratch, on its worker threads, at timing-dependent
+moments; NCCL has none) are left out: the figure is the training step's own memory.
 """
 
 from __future__ import annotations
@@ -71,24 +73,39 @@ def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int,
 
     events: list[Any] = []
     marks: list[int] = []
+    main_tid: int | None = None
 
     def walk(nodes: Iterable[Any]) -> None:
+        nonlocal main_tid
         for n in nodes:
             if n.tag == _EventType.Allocation:
                 events.append(n)
             elif from_mark is not None and n.name == from_mark:
                 marks.append(n.start_time_ns)
+                main_tid = n.start_tid
             walk(n.children)
 
     walk(prof.profiler.kineto_results.experimental_event_tree())
     events.sort(key=lambda e: e.start_time_ns)
     start = min(marks) if marks else None
     running = peak = level = 0
+    # Blocks allocated by other threads than the one that runs the steps: gloo's worker
+    # threads allocate scratch of their own during collectives, at moments that depend on
+    # thread timing (NCCL has none); the estimate describes the training step's own memory.
+    # Such a block is skipped, and so is its release, on whatever thread that happens.
+    foreign: set[int] = set()
     for e in events:
         if start is not None and e.start_time_ns >= start and level is not None:
             level, peak = running, running
             start = None
-        running += e.extra_fields.alloc_size
+        size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
+        if main_tid is not None and size > 0 and e.start_tid != main_tid:
+            foreign.add(ptr)
+            continue
+        if size < 0 and ptr in foreign:
+            foreign.discard(ptr)
+            continue
+        running += size
         peak = max(peak, running)
     if from_mark is not None and start is not None:  # nothing allocated during the steps
         level = peak = running

@@ -95,10 +95,11 @@ def estimator(lm_path: str) -> Estimator:
 def test_per_rank_peak_matches_real_gloo_ranks(config, estimator, measured):
     est = estimator.estimate(config, exact=True)
     assert est.method == "traced"
-    # gloo (not NCCL) allocates scratch of its own on its worker thread during FSDP2's
-    # collectives — up to one unit's gathered parameters plus its unsharded gradients — at
-    # moments that depend on thread timing; the prediction leaves it out, so a CPU rank may
-    # measure above it by at most that much.
+    # gloo (not NCCL) allocates scratch of its own during FSDP2's collectives: on its worker
+    # threads (timing-dependent; the measurement leaves those out) and, for reduce-scatter,
+    # a buffer of about one unit's unsharded gradients on the calling thread. The prediction
+    # describes NCCL's behaviour and leaves gloo's scratch out, so a CPU FSDP2 rank may measure
+    # above it by at most one unit's gathered parameters plus unsharded gradients.
     scratch = 0
     if config.strategy == "fsdp":
         unit = max(sum(p.numel() for p in block.parameters()) for block in
