@@ -42,7 +42,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -57,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators._timing import DeviceRates, TimeCalibration, cpu_rates, cpu_rates_path  # noqa: E402
+from estimators._timing import DeviceRates, TimeCalibration, cpu_name, cpu_rates, cpu_rates_path  # noqa: E402
 
 MODELS = ("mlp", "cnn_bn", "gpt_tied", "vit", "frozen_backbone")
 BATCHES = (8, 32, 96)
@@ -100,13 +99,7 @@ def key(name: str, c: TrainConfig) -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 

@@ -171,14 +171,19 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _machine_key() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    text = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
+    return cpu
+
+
+def _machine_key() -> str:
+    text = f"{cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

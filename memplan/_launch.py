@@ -176,9 +176,9 @@ def launch_training(
         )
     if config.strategy == "single":
         raise ConfigError("strategy 'single' runs in this process; launch only ddp or fsdp configurations")
-    if getattr(config, "nodes", 1) != spec.nnodes:
+    if config.nodes != spec.nnodes:
         log.warning("the configuration was planned for %d machine(s) and runs on %d: its predicted step time "
-                    "assumed another network", getattr(config, "nodes", 1), spec.nnodes)
+                    "assumed another network", config.nodes, spec.nnodes)
     out_dir = Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rungs = distributed_ladder(ladder, config)

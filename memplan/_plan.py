@@ -112,7 +112,7 @@ class Plan:
         """What running the chosen configuration needs: processes per node and nodes
         (``torchrun --nproc-per-node … --nnodes …``; one process for single-device plans)."""
         c = self.config
-        nodes = getattr(c, "nodes", 1)
+        nodes = c.nodes
         return {"nproc_per_node": c.world_size // nodes, "nnodes": nodes}
 
     @property

@@ -278,7 +278,7 @@ def search(
 
 def _layout_key(config: TrainConfig) -> str:
     from ._space import Layout
-    return Layout(config.strategy, config.world_size, getattr(config, "nodes", 1)).key
+    return Layout(config.strategy, config.world_size, config.nodes).key
 
 
 def _meta_model(task: Task) -> nn.Module:
@@ -369,7 +369,8 @@ def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estim
         hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
     else:
         # FSDP2 shards parameters, gradients and optimizer state over the ranks.
-        hints.append(f"FSDP over {max(2, 2 * nearest.config.world_size)} devices (--gpus {max(2, 2 * nearest.config.world_size)})")
+        devices = max(2, 2 * nearest.config.world_size)
+        hints.append(f"FSDP over {devices} devices (--gpus {devices})")
     hints.append("a smaller model")
     what = "nothing fits" if not measured else "nothing that was probed fits"
     return NoFeasiblePlanError(

@@ -57,12 +57,10 @@ class SearchSpace:
             layout = self.layouts[0]
         elif isinstance(layout, str):
             layout = self.layout(layout)
-        # ``nodes`` only matters beyond one machine; single-node configs keep the default.
-        extra = {"nodes": layout.nodes} if layout.nodes > 1 else {}
         return TrainConfig(
             micro_batch_size=micro, grad_accum_steps=self.accum_for(micro, layout.world_size),
             precision=precision, checkpoint_segments=segments,
-            strategy=layout.strategy, world_size=layout.world_size, **extra,
+            strategy=layout.strategy, world_size=layout.world_size, nodes=layout.nodes,
         )
 
     def __len__(self) -> int:

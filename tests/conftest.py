@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -14,3 +16,14 @@ def write_model(tmp_path: Path):
         path.write_text(textwrap.dedent(source))
         return str(path)
     return write
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    """One intra-op thread for a module: its models are tiny, and one thread is ~10x faster
+    than several fighting over a busy 2-core machine (or over it with the ranks of a
+    distributed test); results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

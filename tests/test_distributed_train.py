@@ -19,7 +19,7 @@ from memplan._checkpoint_io import SHARDED_DIR, load_checkpoint
 from memplan._launch import LaunchSpec, launch_training
 from memplan._trainer import TrainOptions, Trainer, epoch_items, epoch_permutation, train
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 
 # A model with a block stack (FSDP2 shards each block), no dropout (so that runs can match
 # exactly), validation data that does not split evenly over 2 ranks (9 items: 5 and 4), and
@@ -93,14 +93,6 @@ FAST = LaunchSpec(nproc_per_node=2, timeout_s=60)
 """The default start method, ``forkserver``: the first launch of the session starts the server
 (it imports torch once), later launches fork from it in well under a second. A collective
 that waits a minute fails (a hang would be a bug, reported, not waited out)."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reference runs share the 2 cores with the ranks
-    yield
-    torch.set_num_threads(threads)
 
 
 def opts(out: Path, **kw: Any) -> TrainOptions:

@@ -26,12 +26,7 @@ from memplan._trainer import Trainer, TrainOptions, train
 _TASKS: list[Task] = []  # estimators caches datasets by id(task): keep every task alive
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mlp_task(n_train: int = 40, width: int = 16) -> Task:

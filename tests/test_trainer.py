@@ -70,14 +70,7 @@ def loss(model, batch):
 '''
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    # These models are tiny: one intra-op thread is ~10x faster than several fighting over a
-    # busy CI machine, and results do not depend on it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_file_task(tmp_path: Path, *, n_train: int = 40, dropout: float = 0.0, custom_loss: bool = False) -> Task:
