@@ -33,6 +33,7 @@ from . import _checkpoint, _distributed, _parallel, _precision
 from ._config import TrainConfig
 from ._errors import MemplanError, ModelFileError
 from ._task import Task, _one_line
+from ._steady import RawEvents, repeat_first_step
 
 __all__ = ["Category", "Trace", "OpRecord", "trace_step", "DataDependentShapes"]
 
@@ -362,6 +363,8 @@ def trace_step(
     real: bool = False,
     profile: bool = False,
     steps: int = 2,
+    synthesize: bool = True,
+    target: str = "cpu",
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -372,18 +375,32 @@ def trace_step(
     ``ddp`` and ``fsdp`` configurations trace rank 0 of ``config.world_size`` ranks in this
     process, on a fake process group (:mod:`estimators._distributed`); the trace starts from
     the wrapped model (sharded parameters, DDP's gradient buckets), as training does.
+
+    A two-step fake trace of a one-device configuration traces step 1 and derives step 2
+    from it (:mod:`estimators._steady`), halving the dispatch time; ``synthesize=False``
+    traces both.
+
+    ``target`` is the device type the estimate is for: on ``"cuda"`` the optimizer runs its
+    multi-tensor (foreach) implementation, as PyTorch's optimizers default to there.
     """
     b = batch_size or config.micro_batch_size
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     # Datasets load before any mode is active: their tensors must be real, not fake, and
     # their loading is not part of the step.
     task.batch_template()
     ranks = (_distributed.simulated_ranks(config.world_size) if config.strategy != "single"
              else contextlib.nullcontext())
     with ranks:
-        return _trace_step(task, config, b, real=real, profile=profile, steps=steps)
+        return _trace_step(task, config, b, real=real, profile=profile, steps=steps, synthesize=synthesize,
+                           foreach=target == "cuda")
 
 
-def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int) -> Trace:
+def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
+                synthesize: bool, foreach: bool) -> Trace:
+    # One device on fake tensors: trace one step and derive the later ones (see _steady).
+    derive = synthesize and not real and config.strategy == "single" and steps == 2
+    traced_steps = 1 if derive else steps
     mode = contextlib.nullcontext() if real else _fake_mode()
     if real:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
@@ -415,7 +432,8 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 stack.enter_context(_recorded_rng_states(rec))
                 if config.strategy == "fsdp":
                     stack.enter_context(_distributed.fsdp_storage_events(rec.resized_up, rec.resized_down))
-                run_steps(task, config, model, batch_size=b, real=real, steps=steps, hooks=hooks)
+                run_steps(task, config, model, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
+                          foreach=foreach)
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -436,21 +454,25 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         del model
     # Whatever is still alive at the end (params, buffers, optimizer state) is released at
     # the end of the trace's lifetime; that is not part of the step, so no events are added.
-    event_alloc, event_phase = _canonical_free_order(rec.event_alloc, rec.event_sign, rec.event_phase)
+    raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc, rec.event_sign, rec.event_phase,
+                    phase_labels, rec.ops, rec.op_positions, rec.host)
+    if derive:
+        raw = repeat_first_step(raw)
+    event_alloc, event_phase = _canonical_free_order(raw.event_alloc, raw.event_sign, raw.event_phase)
     return Trace(
         batch_size=b,
         config=config,
-        alloc_bytes=np.asarray(rec.alloc_bytes, dtype=np.int64),
-        alloc_category=np.asarray(rec.alloc_category, dtype=np.int8),
+        alloc_bytes=np.asarray(raw.alloc_bytes, dtype=np.int64),
+        alloc_category=np.asarray(raw.alloc_category, dtype=np.int8),
         event_alloc=event_alloc,
-        event_sign=np.asarray(rec.event_sign, dtype=np.int8),
+        event_sign=np.asarray(raw.event_sign, dtype=np.int8),
         event_phase=event_phase,
-        phase_labels=phase_labels,
-        ops=rec.ops,
+        phase_labels=raw.phase_labels,
+        ops=raw.ops,
         method="measured-cpu" if real else "traced",
-        op_positions=rec.op_positions,
+        op_positions=raw.op_positions,
         op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
-        host_allocs=np.asarray(sorted(set(rec.host)), dtype=np.int64),
+        host_allocs=np.asarray(sorted(set(raw.host)), dtype=np.int64),
     )
 
 
@@ -603,6 +625,22 @@ class _RecordingHooks(StepHooks):
                     _mark_tensor(self.rec, value, Category.OPTIMIZER)
 
 
+def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Make an optimizer left to its default run its multi-tensor implementation.
+
+    On CUDA, PyTorch's optimizers default to foreach kernels, which hold a temporary for every
+    parameter of a group at once (Adam's ``sqrt(exp_avg_sq)`` list: the whole model's fp32
+    size) where the per-tensor loop used for CPU tensors holds one parameter's; a trace for a
+    CUDA target on CPU fake tensors must run what CUDA runs. A choice the model file made
+    (``foreach=False``, ``fused=True``) is kept.
+    """
+    if "foreach" not in optimizer.defaults:
+        return
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
+
+
 def run_steps(
     task: Task,
     config: TrainConfig,
@@ -613,6 +651,7 @@ def run_steps(
     steps: int = 2,
     hooks: StepHooks | None = None,
     device: str = "cpu",
+    foreach: bool = False,
 ) -> None:
     """The training steps that are traced and measured — the trainer's step, in miniature.
 
@@ -622,6 +661,8 @@ def run_steps(
     hooks = hooks or StepHooks()
     micro_steps = min(config.grad_accum_steps, 2)
     optimizer = task.make_optimizer(model)
+    if foreach:
+        _use_foreach(optimizer)
     scaler = _precision.make_grad_scaler(config.precision, device)
     for step in range(1, steps + 1):
         for micro in range(1, micro_steps + 1):

@@ -1,0 +1,136 @@
+"""The second, steady-state training step, derived from a trace of the first.
+
+A trace needs two optimizer steps: the first creates the optimizer state (and any cache a
+model fills lazily) while the allocator's history forms, the second is the steady state that
+every later step repeats. On fake tensors, each step costs the same dispatch time, so for a
+one-device configuration the second step is built from the first instead of traced:
+
+* an allocation created in step 1 and released within it (activations, gradients, the
+  batch, temporaries) is created and released again, at the same points, in step 2;
+* an allocation created in step 1 that outlives it (optimizer state, a lazily built cache)
+  exists once: step 2 does not create it again, and the ops that only created such state
+  (``zeros_like`` for Adam's moments) do not run again;
+* an allocation from before step 1 that step 1 released is gone in step 2.
+
+Step 2 thus replays step 1's kernels with step 1's survivors alive, which is what a real
+second step does when the model's control flow does not depend on the step number.
+DDP (its buckets are rebuilt at step 2) and FSDP2 (lazy initialisation in step 1) differ
+between steps in other ways and are traced for two steps; so are real runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["RawEvents", "repeat_first_step"]
+
+
+@dataclass
+class RawEvents:
+    """The recorder's lists for a trace (see ``estimators._trace.Trace`` for their meaning)."""
+
+    alloc_bytes: list[int]
+    alloc_category: list[int]
+    event_alloc: list[int]
+    event_sign: list[int]
+    event_phase: list[int]
+    phase_labels: list[str]
+    ops: list[Any]
+    op_positions: list[int]
+    host: list[int]
+
+
+def repeat_first_step(raw: RawEvents) -> RawEvents:
+    """``raw`` (one traced step: phases "setup", "step 1 …", "end") with step 2 appended."""
+    labels = raw.phase_labels
+    step1 = [i for i, label in enumerate(labels) if label.startswith("step 1 ")]
+    if not step1 or step1 != list(range(step1[0], step1[-1] + 1)) or labels[-1] != "end":
+        raise ValueError(f"not a one-step trace: phases {labels}")
+    first, last = step1[0], step1[-1]
+    end_phase = len(labels) - 1
+    shift = len(step1)  # phase index offset of the copy; "end" moves after it
+    new_labels = labels[: last + 1] + ["step 2 " + labels[i][len("step 1 "):] for i in step1] + ["end"]
+
+    events = list(zip(raw.event_alloc, raw.event_sign, raw.event_phase))
+    in_step = [first <= ph <= last for _, _, ph in events]
+    born_in_step: set[int] = set()
+    freed_in_step: set[int] = set()
+    for (a, s, _), inside in zip(events, in_step):
+        if inside:
+            (born_in_step if s > 0 else freed_in_step).add(a)
+    transient = born_in_step & freed_in_step
+    survivors = born_in_step - freed_in_step
+
+    alloc_bytes = list(raw.alloc_bytes)
+    alloc_category = list(raw.alloc_category)
+    host = set(raw.host)
+    copy_of: dict[int, int] = {}
+    for a in sorted(transient):
+        copy_of[a] = len(alloc_bytes)
+        alloc_bytes.append(raw.alloc_bytes[a])
+        alloc_category.append(raw.alloc_category[a])
+        if a in host:
+            host.add(copy_of[a])
+
+    # Events: everything up to the end of step 1, then the copy, then the "end" phase.
+    n_before_end = max((k + 1 for k, (_, _, ph) in enumerate(events) if ph <= last), default=0)
+    out_alloc = list(raw.event_alloc[:n_before_end])
+    out_sign = list(raw.event_sign[:n_before_end])
+    out_phase = list(raw.event_phase[:n_before_end])
+    # copied_before[k]: copied events among the first k events (positions for copied ops).
+    copied_before = [0] * (len(events) + 1)
+    for k, ((a, s, ph), inside) in enumerate(zip(events, in_step)):
+        keep = inside and a in transient
+        copied_before[k + 1] = copied_before[k] + keep
+        if keep:
+            out_alloc.append(copy_of[a])
+            out_sign.append(s)
+            out_phase.append(ph + shift)
+    n_copied = copied_before[-1]
+    for a, s, ph in events[n_before_end:]:
+        out_alloc.append(a)
+        out_sign.append(s)
+        out_phase.append(ph + shift if ph == end_phase or ph > last else ph)
+
+    # Ops: step 1's again, less those that only created surviving state.
+    ops_before, pos_before, ops_step2, pos_step2, ops_after, pos_after = [], [], [], [], [], []
+    for op, pos in zip(raw.ops, raw.op_positions):
+        if op.phase <= last:
+            ops_before.append(op)
+            pos_before.append(pos)
+        if first <= op.phase <= last:
+            if not _only_made(raw, op.new_bytes, pos, survivors):
+                ops_step2.append(replace(op, phase=op.phase + shift))
+                pos_step2.append(n_before_end + copied_before[pos])
+        elif op.phase > last:
+            ops_after.append(replace(op, phase=op.phase + shift))
+            pos_after.append(pos + n_copied)
+    return RawEvents(
+        alloc_bytes=alloc_bytes,
+        alloc_category=alloc_category,
+        event_alloc=out_alloc,
+        event_sign=out_sign,
+        event_phase=out_phase,
+        phase_labels=new_labels,
+        ops=ops_before + ops_step2 + ops_after,
+        op_positions=pos_before + pos_step2 + pos_after,
+        host=sorted(host),
+    )
+
+
+def _only_made(raw: RawEvents, new_bytes: int, pos: int, survivors: set[int]) -> bool:
+    """Did the op whose outputs end at event ``pos`` create storage, all of it surviving?
+
+    An op's new storages are tracked right after it returns: the creations just before
+    ``pos`` that add up to its ``new_bytes``."""
+    if new_bytes <= 0:
+        return False
+    total, k = 0, pos - 1
+    while total < new_bytes and k >= 0 and raw.event_sign[k] > 0:
+        a = raw.event_alloc[k]
+        if a not in survivors:
+            return False
+        total += raw.alloc_bytes[a]
+        k -= 1
+    return total == new_bytes
