@@ -226,10 +226,11 @@ class Estimator:
             return trace_step(self.task, config, batch_size=batch, real=True, profile=True)
         if not self._data_dependent:
             try:
-                return trace_step(self.task, config, batch_size=batch)
+                return trace_step(self.task, config, batch_size=batch, target=self.device)
             except DataDependentShapes:
                 self._data_dependent = True
-        return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu")
+        return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
+                          target=self.device)
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
         """Per-op CPU workspace bytes for ``trace``.
