@@ -421,16 +421,33 @@ class StepTimeParts:
         return self.overhead_s + sum(self.work_s.values())
 
 
-def _steady_state_mask(costs: OpCosts, phase_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Ops of the last traced micro-batch of step 2 (forward + backward), and of step 2's
-    optimizer and zero_grad: the steady state (step 1 creates the optimizer state)."""
+def _steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int) -> np.ndarray:
+    """How many times each traced op runs in one steady-state optimizer step.
+
+    Step 2's ops are the steady state (step 1 creates the optimizer state). With
+    accumulation the trace holds two micro-batches per step: the first creates the
+    gradients, the second accumulates into them (one more add per parameter); a window of
+    A micro-batches runs the first once and the accumulating one A - 1 times. The optimizer
+    step and zero_grad run once."""
     labels = list(phase_labels)
     micro_phases = [i for i, l in enumerate(labels) if l.startswith("step 2") and ("forward" in l or "backward" in l)]
+    weights = np.zeros(len(labels), dtype=np.float64)
     if any("micro" in labels[i] for i in micro_phases):
-        last_micro = labels[micro_phases[-1]].split(" forward")[0].split(" backward")[0]
-        micro_phases = [i for i in micro_phases if labels[i].startswith(last_micro + " ")]
-    opt_phases = [i for i, l in enumerate(labels) if l in ("step 2 optimizer", "step 2 zero_grad")]
-    return np.isin(costs.phase, micro_phases), np.isin(costs.phase, opt_phases)
+        def micro_of(i: int) -> str:
+            return labels[i].split(" forward")[0].split(" backward")[0]
+        first, last = micro_of(micro_phases[0]), micro_of(micro_phases[-1])
+        for i in micro_phases:
+            if micro_of(i) == first:
+                weights[i] = 1.0 if grad_accum_steps > 1 else float(grad_accum_steps)
+            elif micro_of(i) == last:
+                weights[i] = float(max(grad_accum_steps - 1, 0))
+    else:
+        # One micro-batch traced per step: every micro-batch of the window runs like it.
+        weights[micro_phases] = float(grad_accum_steps)
+    for i, l in enumerate(labels):
+        if l in ("step 2 optimizer", "step 2 zero_grad"):
+            weights[i] = 1.0
+    return weights[costs.phase] if len(costs.phase) else np.zeros(0)
 
 
 def _work_per_op(costs: OpCosts, phase_labels: Sequence[str], rates: DeviceRates) -> np.ndarray:
@@ -447,10 +464,9 @@ def _work_per_op(costs: OpCosts, phase_labels: Sequence[str], rates: DeviceRates
 
 def step_time_parts(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int,
                     rates: DeviceRates) -> StepTimeParts:
-    """Seconds per optimizer step, in parts: one traced steady-state micro-batch (forward +
-    backward) times the accumulation steps, plus the optimizer step and zero_grad."""
-    micro, opt = _steady_state_mask(costs, phase_labels)
-    weight = micro * float(grad_accum_steps) + opt  # the phases' op lists do not overlap
+    """Seconds per optimizer step, in parts: the steady state's micro-batches (forward +
+    backward) as many times as the window runs them, plus the optimizer step and zero_grad."""
+    weight = _steady_state_weights(costs, phase_labels, grad_accum_steps)
     work = _work_per_op(costs, phase_labels, rates) * weight
     by_dtype: dict[str, float] = {}
     for dtype in set(costs.dtype):
