@@ -102,6 +102,11 @@ def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Pre
         # fp16 autocast runs ~50x slower than bf16 on CPUs: never the fastest, so not searched.
         supported = ["fp32", "bf16-mixed"]
     if wanted is None:
+        if "bf16-mixed" in supported and "fp16-mixed" in supported:
+            # Where the card has bf16, fp16 runs at the same tensor-core rate with the same
+            # two-byte activations, plus a GradScaler's unscale and inf checks every step: it
+            # is never the faster plan, so it is searched only when asked for (--precision).
+            return tuple(p for p in supported if p != "fp16-mixed")
         return tuple(supported)
     from estimators import normalize_precision
     chosen = tuple(normalize_precision(p) for p in wanted)

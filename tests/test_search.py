@@ -59,7 +59,11 @@ def test_precision_filtered_by_device():
     plan = search(lm(), vram="80GB", gpu="V100-32GB", global_batch=2, trials=200, probe_top=0)
     assert {e.config.precision for e in plan.entries} == {"fp32", "fp16-mixed"}
     plan = search(lm(), vram="80GB", gpu="A100-80GB", global_batch=2, trials=200, probe_top=0)
-    assert "bf16-mixed" in {e.config.precision for e in plan.entries}
+    # With bf16 on the card, fp16 (same rate, plus a GradScaler) is searched only when asked.
+    assert {e.config.precision for e in plan.entries} == {"fp32", "bf16-mixed"}
+    asked = search(lm(), vram="80GB", gpu="A100-80GB", global_batch=2, trials=200, probe_top=0,
+                   precisions=["fp16", "bf16"])
+    assert {e.config.precision for e in asked.entries} == {"fp16-mixed", "bf16-mixed"}
     cpu = search(lm(), vram="1GB", device="cpu", global_batch=4, trials=200, probe_top=0)
     assert "fp16-mixed" not in {e.config.precision for e in cpu.entries}
 
