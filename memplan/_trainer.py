@@ -43,7 +43,9 @@ What a run writes to ``out_dir``:
                     "step", "phase", "from", "to", "peak_at_failure", "seconds", "error"}`` per switch
                     to a smaller configuration, ``{"type": "resume", ...}`` when resumed
                     (appended to; lines logged after the last checkpoint of a crashed run repeat).
-                    NaN/inf are written as the strings ``"nan"``/``"inf"``.
+                    NaN/inf are written as the strings ``"nan"``/``"inf"``. Step lines are written
+                    in batches, at most a second late; everything is on disk at each checkpoint and
+                    when the run ends (also by a signal or an error).
 ``checkpoint-dcp/``  FSDP2 runs only: the sharded tensors of the checkpoint (``torch.distributed.checkpoint``).
 ``oom-rank<R>.json`` / ``failure-rank<R>.json``   distributed runs only: what a failed rank leaves for the launcher.
 ``summary.json``    wall time, steps, best and final metrics, measured vs predicted peak memory,
@@ -439,6 +441,9 @@ class _EMA:
 _UNDO_STEPS = 2
 """Optimizer steps guarded by an undo copy (see ``_run_window``)."""
 
+_LOG_WRITE_SECONDS = 1.0
+"""Longest time a step's metrics line waits in memory before it is written (see ``Trainer._log``)."""
+
 
 class Trainer:
     """Trainer for one :class:`TrainConfig`: one device, or one rank of a DDP/FSDP2 run.
@@ -533,6 +538,8 @@ class Trainer:
             # Rank 0 alone writes the log; the others write to nowhere.
             self._metrics_file = (open(self.metrics_path, "a" if resumed_from is not None else "w")
                                   if self.is_main else open(os.devnull, "w"))
+            self._pending_log: list[dict[str, Any]] = []
+            self._log_written_at = time.monotonic()
             self._bar = self._progress_bar()
             try:
                 if resumed_from is not None:
@@ -547,7 +554,10 @@ class Trainer:
                 self._write_result_weights()
             finally:
                 self._bar.close()
-                self._metrics_file.close()
+                try:
+                    self._flush_log()  # also when a signal, an error or a second Ctrl-C ends the run
+                finally:
+                    self._metrics_file.close()
             wall_s = time.perf_counter() - t0
             summary = self._summary(wall_s, interrupted, resumed_from)
         if self.is_main:
@@ -784,7 +794,7 @@ class Trainer:
         t0 = time.perf_counter()
         self._optimizer_undo = None
         self.optimizer.zero_grad(set_to_none=True)  # a no-op normally; makes a replay start clean
-        window_loss = torch.zeros((), device=self.device)
+        window_loss: torch.Tensor | None = None
         last = len(window.micro_indices) - 1
         for k, (indices, batch) in enumerate(zip(window.micro_indices, batches)):
             batch = self._to_device(batch)
@@ -799,15 +809,21 @@ class Trainer:
             with _parallel.gradient_sync(self._wrapped, k == last):
                 self._set_phase("forward")
                 with _precision.forward_context(config.precision, self.device.type):
-                    loss = self._loss_fn(self.forward_model, batch) * weight
+                    loss = self._loss_fn(self.forward_model, batch)
+                    if weight != 1.0:  # one micro-batch per window: x * 1.0 is x, skip the op and its backward
+                        loss = loss * weight
                 self._set_phase("backward")
                 _precision.backward(loss, self.scaler)
-            window_loss += loss.detach().float()
-            del batch, loss  # free the batch and the graph now, as the estimate assumes
+            part = loss.detach().float()
+            window_loss = part if window_loss is None else window_loss + part
+            del batch, loss, part  # free the batch and the graph now, as the estimate assumes
         self._set_phase("optimizer")
+        if window_loss is None:  # no micro-batch (cannot happen with the sampler's windows)
+            window_loss = torch.zeros((), device=self.device)
 
         if self.distributed:
             # The window's mean loss over all ranks: what is logged, and one skip decision for all.
+            window_loss = window_loss.clone()  # reduced in place: not the loss tensor's own storage
             dist.all_reduce(window_loss)
             window_loss /= self.world_size
         loss_value = float(window_loss)  # waits for the device once per step; the log needs it anyway
@@ -1042,12 +1058,13 @@ class Trainer:
         record.update(self._gpu_stats())
         self._log(record)
         self._bar.update(1)
-        postfix = {"loss": f"{outcome.loss:.4g}", "lr": f"{lr:.3g}"}
-        if samples_per_s:
-            postfix["samples/s"] = f"{samples_per_s:.1f}"
-        if record["peak_memory_bytes"]:
-            postfix["mem"] = format_size(record["peak_memory_bytes"])
-        self._bar.set_postfix(postfix, refresh=False)
+        if not self._bar.disable:  # formatting a postfix nobody sees costs ~25 us a step
+            postfix = {"loss": f"{outcome.loss:.4g}", "lr": f"{lr:.3g}"}
+            if samples_per_s:
+                postfix["samples/s"] = f"{samples_per_s:.1f}"
+            if record["peak_memory_bytes"]:
+                postfix["mem"] = format_size(record["peak_memory_bytes"])
+            self._bar.set_postfix(postfix, refresh=False)
 
         if self.consecutive_nonfinite >= self.options.max_nonfinite:
             where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
@@ -1192,6 +1209,7 @@ class Trainer:
         folder beside it. ``collective=False``: this rank alone writes it (a DDP rank after an
         OOM, whose replicated state is that of every rank; the others cannot be reached)."""
         self._set_phase("checkpoint")
+        self._flush_log()  # a resume continues from here: the lines before it must be on disk
         finite = _all_finite(self.model)
         if collective:
             finite = self._agree(finite)  # FSDP: each rank checked its own shards
@@ -1511,8 +1529,27 @@ class Trainer:
             return {}
 
     def _log(self, record: dict[str, Any]) -> None:
-        self._metrics_file.write(json.dumps(_json_safe(record)) + "\n")
+        """Queue a line of ``metrics.jsonl``. Step records are written in batches, at most
+        ``_LOG_WRITE_SECONDS`` after they were logged; any other record (evaluation, resume, OOM
+        recovery), every checkpoint and the end of the run -- normal, by a signal or by an
+        error -- write everything queued at once. Serialising and flushing a line per step
+        cost ~0.15 ms of a ~12 ms step (examples/digits.py) where a hand-written loop pays
+        nothing; and the log on disk still holds every line up to the last checkpoint, which
+        is all a resumed run continues from (it logs the later steps again)."""
+        self._pending_log.append(record)
+        if record["type"] != "step" or time.monotonic() - self._log_written_at >= _LOG_WRITE_SECONDS:
+            self._flush_log()
+
+    def _flush_log(self) -> None:
+        """Write the queued metrics lines and flush them to the OS."""
+        pending = getattr(self, "_pending_log", None)
+        if pending is None:  # before run() opened the log
+            return
+        if pending:
+            self._metrics_file.write("".join(json.dumps(_json_safe(r)) + "\n" for r in pending))
+            pending.clear()
         self._metrics_file.flush()
+        self._log_written_at = time.monotonic()
 
     def _progress_bar(self) -> Any:
         from tqdm.auto import tqdm
@@ -1629,8 +1666,10 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 def _json_safe(value: Any) -> Any:
     """NaN/inf as the strings "nan"/"inf" (JSON has no such numbers; strict readers reject them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if value is None or isinstance(value, (int, str)):
+        return value  # before the Mapping check, an abstract-class check that is slow for scalars
     if isinstance(value, Mapping):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -409,3 +409,39 @@ def test_failed_checkpoint_write_keeps_the_old_file(tmp_path: Path) -> None:
         save_checkpoint({"step": 2, "bad": lambda: None}, path)  # cannot be pickled
     assert load_checkpoint(path) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+# -- 9. the metrics log ----------------------------------------------------------------------------
+# Step lines are written in batches (not one write and flush per step); however a run ends, and at
+# every checkpoint, every line logged so far must be on disk.
+
+def test_metrics_lines_are_on_disk_at_every_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import memplan._trainer as trainer_module
+
+    on_disk: dict[int, list[int]] = {}
+    real_save = trainer_module.save_checkpoint
+
+    def spy(state: Any, path: Any) -> None:
+        if Path(path).name == "checkpoint.pt":
+            on_disk[state["step"]] = [r["step"] for r in steps_of(tmp_path / "ck")]
+        real_save(state, path)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", spy)
+    train(model_file_task(tmp_path), TrainConfig(micro_batch_size=8), opts(tmp_path, "ck", max_steps=6, checkpoint_every=2))
+    assert on_disk == {2: [1, 2], 4: [1, 2, 3, 4], 6: [1, 2, 3, 4, 5, 6]}
+
+
+def test_metrics_log_is_complete_after_a_signal_and_after_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = TrainConfig(micro_batch_size=8)  # 40 items: 5 steps an epoch, one loss call a step
+    never = dict(max_steps=20, checkpoint_every=100, eval_every=100)  # no checkpoint, no eval in between
+
+    monkeypatch.setenv("KILL_AT_CALL", "4")  # SIGTERM in step 4: the run stops after it
+    stopped = train(model_file_task(tmp_path, custom_loss=True), config, opts(tmp_path, "sig", **never))
+    assert stopped.interrupted and [r["step"] for r in steps_of(tmp_path / "sig")] == [1, 2, 3, 4]
+    monkeypatch.delenv("KILL_AT_CALL")
+
+    monkeypatch.setenv("NAN_FROM_CALL", "3")  # steps 3, 4, 5 NaN: TrainingError after step 5
+    with pytest.raises(TrainingError):
+        train(model_file_task(tmp_path, custom_loss=True), config, opts(tmp_path, "err", **never))
+    records = steps_of(tmp_path / "err")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["loss"] == "nan"
