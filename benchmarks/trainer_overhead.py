@@ -2,33 +2,48 @@
 
 Per model (digits, tiny_gpt) at a fixed configuration (the model's global batch as the
 micro-batch, fp32, no accumulation), three variants run INTERLEAVED in one process, round
-after round (A, B, C, A, B, C, ...):
+after round, the order reversed every other round (A B C, C B A, ...) so that a drift in load
+hits every variant alike:
 
-* A ``trainer``: ``memplan.train(task, config, TrainOptions(max_steps=N, ...))``, no guard;
-* B ``hand loop``: the same model (same seed), optimizer (``task.make_optimizer``, same lr),
-  DataLoader (same collate, shuffled, same number of workers), and per step the same math as
-  the trainer: zero_grad, forward + loss, backward, ``float(loss)``, clip_grad_norm_(1.0),
-  ``float(norm)``, ``optimizer.step()``, zero_grad, a LambdaLR schedule step;
+* A ``trainer``: ``memplan.train(task, config, TrainOptions(max_steps=N, ...))``, no guard,
+  with ``eval_every=checkpoint_every=N``: the evaluation and the checkpoint come after the
+  last measured step (the hand loop has neither);
+* B ``hand loop``: what a careful hand-written loop does per step, the trainer's per-step work
+  and no more: the same model (same seed), optimizer (``task.make_optimizer``, same lr) and
+  DataLoader (same dataset, collate, shuffled, ``drop_last=False`` -- the trainer's last
+  window of an epoch is short too --, same number of workers); per step zero_grad, forward +
+  loss, backward, ``float(loss)``, clip_grad_norm_(1.0), ``float(norm)``, a NaN/inf check of
+  both, ``optimizer.step()``, zero_grad, a warm-up + cosine LambdaLR step, and one JSON line
+  (step, epoch, loss, lr, samples/s, grad norm) written to a metrics file;
 * C ``trainer + guard``: A with ``memory_guard=estimators._guard.MemoryGuard(budget)``.
 
-Step time = time between consecutive step ends (data loading included), the first
-``--skip`` steps of each run dropped (warm-up); the median over all rounds is reported.
-Trainer step ends are taken by wrapping ``Trainer._after_window`` (timestamp after it
-returns), so logging and schedule stepping count as trainer cost. Both A and B use
-``num_workers=0`` so they do the same work (the trainer's default for tiny_gpt's custom
-Dataset would be 1 worker).
+Both A and B use ``num_workers=0`` (the trainer's default for tiny_gpt's custom Dataset
+would be 1 worker). Step time = time between consecutive step ends (data loading included);
+trainer step ends are taken by wrapping ``Trainer._after_window`` (timestamp after it
+returns), so logging, schedule stepping and the loop's own checks count as trainer cost.
+Each run's value is its MEAN step time after the first ``--skip`` steps (warm-up): periodic
+costs (the batched metrics writes, epoch boundaries) count at their amortised price. The
+overhead is the per-round paired ratio A/B (adjacent in time, so robust to load that comes
+and goes); the median over rounds is reported with its interquartile range. One unrecorded
+warm-up run of each variant comes first. The 1-minute load average is recorded per round.
 
 Then ``memplan fit examples/digits.py --vram 1GB --out /tmp/digits-run`` and
 ``memplan fit examples/tiny_gpt.py --vram 2GB --out /tmp/gpt-run [--max-steps K]`` run as
-subprocesses; their wall time and final metrics are reported.
+subprocesses; their wall time and final metrics are reported. The overhead part takes about
+6-7 minutes on an idle 2-core CPU, the fits about 8 more.
 
-    python benchmarks/trainer_overhead.py [--rounds 3] [--skip-fit] [--gpt-max-steps K] [--out FILE]
+    python benchmarks/trainer_overhead.py [--rounds-digits 20] [--rounds-gpt 12] [--skip-fit]
+        [--skip-overhead] [--models digits,tiny_gpt] [--gpt-max-steps K] [--threads N]
+        [--wait-load L [--wait-max S]] [--out FILE]
+
+On a shared 2-core machine, another busy process makes two-thread torch steps several times
+slower and wildly variable (threads wait for each other): ``--wait-load 1.5`` waits for a
+quieter moment first.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import math
@@ -54,19 +69,42 @@ from memplan._trainer import TrainOptions, train  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "trainer.md"
 MODELS = {
-    # name: (path, micro-batch, steps per run, guard budget)
-    "digits": (ROOT / "examples" / "digits.py", 64, 20, 1_000_000_000),
-    "tiny_gpt": (ROOT / "examples" / "tiny_gpt.py", 32, 8, 2_000_000_000),
+    # name: (path, micro-batch, steps per run, guard budget). digits: 100 steps (~1.2 s, four
+    # epochs with short last windows) so that the trainer's once-a-second log write is inside
+    # the measured steps; tiny_gpt: 12 steps (~7 s) a run.
+    "digits": (ROOT / "examples" / "digits.py", 64, 100, 1_000_000_000),
+    "tiny_gpt": (ROOT / "examples" / "tiny_gpt.py", 32, 12, 2_000_000_000),
 }
+VARIANTS = ("trainer", "hand", "trainer+guard")
+WORK = [
+    "Per step both do: load a micro-batch through a DataLoader (same dataset and collate, shuffled, "
+    "num_workers=0, short last batch of an epoch), zero_grad, forward + loss, backward, `float(loss)`, "
+    "`clip_grad_norm_(1.0)`, `float(norm)`, a NaN/inf check, `optimizer.step()`, zero_grad, a warm-up + "
+    "cosine lr step, and a JSON metrics line (the hand loop writes it through Python's file buffer; the "
+    "trainer queues it and writes at most a second later, at checkpoints and at the end). The trainer "
+    "also keeps its data position, counters and throughput, checks for a stop signal, and reads its "
+    "peak-memory counter. Evaluation and checkpoints are set to come after the last measured step.",
+    "",
+    "Each run's value is its mean step time (step end to step end, warm-up steps dropped); the overhead is "
+    "the median over rounds of the per-round paired ratio trainer / hand loop, which ran next to each other "
+    "(order reversed every other round).",
+]
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def diffs(stamps: list[float], skip: int) -> list[float]:
-    d = [b - a for a, b in zip(stamps, stamps[1:])]
-    return d[skip:]
+def mean_step(stamps: list[float], skip: int) -> float:
+    """Mean time between consecutive step ends, the first ``skip`` intervals dropped."""
+    return (stamps[-1] - stamps[skip]) / (len(stamps) - 1 - skip)
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def run_trainer(task, config, steps: int, guard_budget: int | None, tmp: Path) -> list[float]:
@@ -80,9 +118,9 @@ def run_trainer(task, config, steps: int, guard_budget: int | None, tmp: Path) -
     _trainer.Trainer._after_window = wrapped
     try:
         out = tmp / f"run-{time.monotonic_ns()}"
-        opts = TrainOptions(max_steps=steps, out_dir=out, progress=False, num_workers=0, seed=0)
+        opts = TrainOptions(max_steps=steps, out_dir=out, progress=False, num_workers=0, seed=0,
+                            eval_every=steps, checkpoint_every=steps)
         guard = MemoryGuard(guard_budget) if guard_budget else None
-        # The trainer also starts the clock at the first window: the first diff starts at step 1's end.
         train(task, config, opts, memory_guard=guard)
         shutil.rmtree(out, ignore_errors=True)
     finally:
@@ -90,7 +128,7 @@ def run_trainer(task, config, steps: int, guard_budget: int | None, tmp: Path) -
     return stamps
 
 
-def run_hand(task, config, steps: int) -> list[float]:
+def run_hand(task, config, steps: int, tmp: Path) -> list[float]:
     torch.manual_seed(0)
     model = task.build_model()
     model.train()
@@ -99,68 +137,97 @@ def run_hand(task, config, steps: int) -> list[float]:
     if lr is not None:
         for g in opt.param_groups:
             g["lr"] = float(lr)
-    total = steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    warmup, total = int(task.settings.get("warmup_steps", 0)), steps
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        return 0.5 * (1 + math.cos(math.pi * min(max((s - warmup) / max(1, total - warmup), 0.0), 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     loader = DataLoader(task.dataset(), batch_size=config.micro_batch_size, shuffle=True, collate_fn=task.collate,
-                        num_workers=0, generator=torch.Generator().manual_seed(0), drop_last=True)
+                        num_workers=0, generator=torch.Generator().manual_seed(0), drop_last=False)
     stamps: list[float] = []
-    it = iter(loader)
-    for _ in range(steps):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
-        opt.zero_grad(set_to_none=True)
-        with contextlib.nullcontext():  # fp32: no autocast
+    epoch, it = 0, iter(loader)
+    with open(tmp / f"hand-{time.monotonic_ns()}.jsonl", "w") as metrics:
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                epoch, it = epoch + 1, iter(loader)
+                batch = next(it)
+            opt.zero_grad(set_to_none=True)
             loss = task.compute_loss(model, batch)
-        loss.backward()
-        loss_value = float(loss.detach())
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        del batch, loss
-        stamps.append(time.perf_counter())
-        _ = (loss_value, norm)
+            loss.backward()
+            n = len(batch[0])
+            del batch
+            loss_value = float(loss.detach())
+            del loss
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            step_lr = sched.get_last_lr()[0]
+            if math.isfinite(loss_value) and math.isfinite(norm):
+                opt.step()
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - t0
+            metrics.write(json.dumps({"type": "step", "step": step, "epoch": epoch, "loss": loss_value, "lr": step_lr,
+                                      "samples_per_s": n / seconds, "grad_norm": norm}) + "\n")
+            stamps.append(time.perf_counter())
     return stamps
 
 
-def overhead_section(names, rounds: int, skip: int) -> tuple[list[str], dict]:
+def overhead_section(names, rounds_of: dict[str, int], skip: int) -> tuple[list[str], dict]:
     tmp = Path(tempfile.mkdtemp(prefix="memplan-trainer-bench-"))
     lines = []
     summary = {}
     for name in names:
         path, micro, steps, budget = MODELS[name]
+        rounds = rounds_of[name]
         task = load_task(str(path))
         config = TrainConfig(micro_batch_size=micro, precision="fp32")
-        per = {"trainer": [], "hand": [], "trainer+guard": []}
-        per_round = {k: [] for k in per}
+
+        def run(variant: str, n: int) -> list[float]:
+            if variant == "trainer":
+                return run_trainer(task, config, n, None, tmp)
+            if variant == "hand":
+                return run_hand(task, config, n, tmp)
+            return run_trainer(task, config, n, budget, tmp)
+
+        for variant in VARIANTS:  # warm-up: lazy imports, first-time kernel set-up
+            run(variant, skip + 2)
+        per_round: dict[str, list[float]] = {k: [] for k in VARIANTS}
+        loads: list[float] = []
+        t_model = time.perf_counter()
         for r in range(rounds):
-            for variant in ("trainer", "hand", "trainer+guard"):
-                if variant == "trainer":
-                    st = run_trainer(task, config, steps, None, tmp)
-                elif variant == "hand":
-                    st = run_hand(task, config, steps)
-                else:
-                    st = run_trainer(task, config, steps, budget, tmp)
-                d = diffs(st, skip)
-                per[variant] += d
-                per_round[variant].append(statistics.median(d) if d else float("nan"))
-                log(f"[{name}] round {r + 1} {variant}: median step {per_round[variant][-1] * 1e3:.1f} ms (n={len(d)})")
-        med = {k: statistics.median(v) for k, v in per.items() if v}
-        ovh = 100 * (med["trainer"] / med["hand"] - 1)
-        guard = 100 * (med["trainer+guard"] / med["trainer"] - 1)
-        # Paired per round (A and B adjacent in time), a load-robust view.
+            loads.append(os.getloadavg()[0])
+            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+            for variant in order:
+                per_round[variant].append(mean_step(run(variant, steps), skip))
+            log(f"[{name}] round {r + 1}/{rounds} (load {loads[-1]:.2f}): "
+                + ", ".join(f"{k} {per_round[k][-1] * 1e3:.2f} ms" for k in VARIANTS)
+                + f"; trainer/hand {100 * (per_round['trainer'][-1] / per_round['hand'][-1] - 1):+.1f}%")
+        minutes = (time.perf_counter() - t_model) / 60
         paired = [100 * (a / b - 1) for a, b in zip(per_round["trainer"], per_round["hand"])]
-        summary[name] = {"med": med, "overhead_pct": ovh, "guard_pct": guard, "paired": paired}
-        lines += [f"### {name} (micro-batch {micro}, fp32, {steps} steps per run, first {skip} dropped, {rounds} rounds)", "",
-                  "| variant | median step ms (pooled) | per-round medians ms |", "|---|---|---|"]
-        for k in per:
-            lines.append(f"| {k} | {med[k] * 1e3:.1f} | {', '.join(f'{x * 1e3:.1f}' for x in per_round[k])} |")
-        lines += ["", f"- trainer vs hand loop: **{ovh:+.1f}%** (goal <= 3%); per-round paired: "
-                      f"{', '.join(f'{p:+.1f}%' for p in paired)} (median {statistics.median(paired):+.1f}%)",
-                  f"- memory guard cost (trainer+guard vs trainer): **{guard:+.1f}%** (budget {budget / 1e9:.0f} GB)", ""]
+        guard = [100 * (a / b - 1) for a, b in zip(per_round["trainer+guard"], per_round["trainer"])]
+        pq, gq = quartiles(paired), quartiles(guard)
+        slower = sum(p > 0 for p in paired)
+        summary[name] = {"per_round": per_round, "paired_pct": paired, "guard_pct": guard, "loads": loads}
+        lines += [f"### {name} (micro-batch {micro}, fp32, {steps} steps per run, first {skip} dropped, "
+                  f"{rounds} rounds, {minutes:.1f} min)", "",
+                  "| variant | mean step ms, median over rounds | interquartile range ms |", "|---|---|---|"]
+        for k in VARIANTS:
+            q1, q2, q3 = quartiles(per_round[k])
+            lines.append(f"| {k} | {q2 * 1e3:.2f} | {q1 * 1e3:.2f} - {q3 * 1e3:.2f} |")
+        lines += ["",
+                  f"- **trainer vs hand loop: {pq[1]:+.1f}%** (median of the {rounds} per-round paired ratios; "
+                  f"interquartile range {pq[0]:+.1f}% .. {pq[2]:+.1f}%, min {min(paired):+.1f}%, max {max(paired):+.1f}%; "
+                  f"trainer slower in {slower} of {rounds} rounds). Goal: <= +3%.",
+                  f"- memory guard cost (trainer+guard vs trainer): **{gq[1]:+.1f}%** "
+                  f"(interquartile range {gq[0]:+.1f}% .. {gq[2]:+.1f}%; budget {budget / 1e9:.0f} GB)",
+                  f"- 1-minute load average at the start of each round (this benchmark's own threads count "
+                  f"too): median {statistics.median(loads):.2f}, min {min(loads):.2f}, max {max(loads):.2f}",
+                  f"- per-round paired trainer/hand: {', '.join(f'{p:+.1f}%' for p in paired)}", ""]
     shutil.rmtree(tmp, ignore_errors=True)
     return lines, summary
 
@@ -199,13 +266,27 @@ def run_fit(model: str, vram: str, out: str, extra: list[str]) -> tuple[list[str
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="digits,tiny_gpt")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--rounds-digits", type=int, default=20)
+    ap.add_argument("--rounds-gpt", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each run")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--skip-fit", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--gpt-max-steps", default=None)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--wait-load", type=float, default=None, metavar="L",
+                    help="first wait (up to --wait-max seconds) until the 1-minute load average is below L")
+    ap.add_argument("--wait-max", type=float, default=900.0)
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    waited = 0.0
+    if args.wait_load is not None:
+        t_wait = time.perf_counter()
+        while os.getloadavg()[0] >= args.wait_load and time.perf_counter() - t_wait < args.wait_max:
+            log(f"load {os.getloadavg()[0]:.2f} >= {args.wait_load}: waiting")
+            time.sleep(20)
+        waited = time.perf_counter() - t_wait
     cmd = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     load_start = os.getloadavg()
     outp = Path(args.out)
@@ -216,15 +297,19 @@ def main() -> None:
              f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
              f"- torch {torch.__version__}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
              f"- load average (1/5/15 min) at start: {load_start[0]:.2f} / {load_start[1]:.2f} / {load_start[2]:.2f}",
-             f"- load average at end (or at this write): {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}", ""]
+             f"- load average at end (or at this write): {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}"]
+        if args.wait_load is not None:
+            h.append(f"- waited {waited:.0f} s for the 1-minute load to drop below {args.wait_load}")
+        h.append("")
         if not done:
             h += ["**PARTIAL: the run had not finished when this was written.**", ""]
         return h
 
     body: list[str] = []
     if not args.skip_overhead:
-        lines, _ = overhead_section(args.models.split(","), args.rounds, args.skip)
-        body += ["## Step time: trainer vs hand-written loop (interleaved)", "", *lines]
+        rounds = {"digits": args.rounds_digits, "tiny_gpt": args.rounds_gpt}
+        lines, _ = overhead_section(args.models.split(","), rounds, args.skip)
+        body += ["## Step time: trainer vs hand-written loop (interleaved)", "", *WORK, "", *lines]
         outp.write_text("\n".join(head(False) + body) + "\n")
     if not args.skip_fit:
         body += ["## memplan fit", ""]
