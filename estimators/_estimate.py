@@ -41,7 +41,13 @@ Device = Literal["cpu", "cuda"]
 _DIVERGED = "fake trace diverged from the real kernels"
 
 ANCHORS = (2, 3, 4)
-"""Batch sizes traced for batch scaling (1 is avoided: BatchNorm refuses it in training)."""
+"""Batch sizes traced for batch scaling on CPU targets (where kernels pick other algorithms,
+with other workspaces, at batch 1)."""
+
+CUDA_ANCHORS = (1, 2, 3)
+"""Batch sizes traced for batch scaling on CUDA targets: fake tensors size tensors alone, so
+batch 1 is an anchor and needs no trace of its own. A model that cannot train at batch 1
+(BatchNorm refuses it) or shapes it differently falls back to ``ANCHORS``."""
 
 WORKSPACE_ANCHORS = (2, 4)
 """Batch sizes of the real, profiled CPU runs that measure kernel workspaces."""
@@ -165,6 +171,7 @@ class Estimator:
         self._facts: _ModelFacts | None = None
         self._workspace_fits: dict[Any, Any] = {}
         self._affine: bool | None = None  # are allocation sizes affine in the batch size?
+        self._anchors = CUDA_ANCHORS if self.device == "cuda" else ANCHORS
         self._rates: DeviceRates | None = None
         self._calibration = TimeCalibration()
 
@@ -377,7 +384,7 @@ class Estimator:
             return p, p.method
         # Below the smallest anchor the fit would extrapolate into sizes where kernels pick
         # other algorithms (oneDNN at batch 1): trace such batches themselves.
-        scaling = None if (exact or b < ANCHORS[0]) else self._scaling_for(config)
+        scaling = None if (exact or b < self._anchors[0]) else self._scaling_for(config)
         if scaling is not None:
             sizes = np.rint(scaling.intercept + scaling.slope * b).astype(np.int64)
             sizes = np.maximum(sizes, 0)
@@ -402,14 +409,7 @@ class Estimator:
                 return self._scaling[shape_key]
             scaling: _Scaling | None = None
             if not self._data_dependent and self._affine is not False:
-                # The first configuration of a model checks affinity on three anchors; once
-                # the model has shown its sizes are affine in the batch (a property of the
-                # model, not of precision or checkpointing), two anchors fit the others.
-                anchors = ANCHORS if self._affine is None else (ANCHORS[0], ANCHORS[-1])
-                try:
-                    traces = [self._trace(config, a) for a in anchors]
-                except Exception:  # noqa: BLE001 - small batches may be refused; trace each b
-                    traces = []
+                traces, anchors = self._anchor_traces(config)
                 if traces and all(t.method == "traced" for t in traces) and _aligned(traces):
                     b0, b2 = anchors[0], anchors[-1]
                     s0, s2 = traces[0].alloc_bytes.astype(np.float64), traces[-1].alloc_bytes.astype(np.float64)
@@ -422,6 +422,11 @@ class Estimator:
                         # Tensor sizes must be exactly affine (a contrastive loss's b x b
                         # logits are not); workspaces are fitted, kernels pick algorithms by size.
                         affine = np.array_equal(np.rint((intercept + slope * b1)[tensors]), s1[tensors])
+                        if not affine and self._anchors != ANCHORS:
+                            # Batch 1 may take its own path (a squeezed dimension): judge
+                            # affinity on the CPU's anchors before giving scaling up.
+                            self._anchors = ANCHORS
+                            return self._scaling_for(config)
                         self._affine = affine
                     if affine:
                         scaling = _Scaling(anchors[0], intercept, slope, traces[0])
@@ -433,6 +438,23 @@ class Estimator:
                                              costs[0].bytes_moved - m1 * b0, m1)
             self._scaling[shape_key] = scaling
             return scaling
+
+    def _anchor_traces(self, config: TrainConfig) -> tuple[list[_Prepared], tuple[int, ...]]:
+        """Traces of ``config`` at the anchor batch sizes ([] when they cannot be had).
+
+        The first configuration of a model checks affinity on three anchors; once the model
+        has shown its sizes are affine in the batch (a property of the model, not of
+        precision or checkpointing), two anchors fit the others."""
+        while True:
+            anchors = self._anchors if self._affine is None else (self._anchors[0], self._anchors[-1])
+            try:
+                traces = [self._trace(config, a) for a in anchors]
+            except Exception:  # noqa: BLE001 - small batches may be refused; trace each b
+                traces = []
+            if self._anchors == ANCHORS or (traces and _aligned(traces)):
+                return traces, anchors
+            # Batch 1 refused or shaped apart from the others: anchor where the CPU does.
+            self._anchors = ANCHORS
 
     # -- replay ---------------------------------------------------------------------------
     def _replay(self, config: TrainConfig, p: _Prepared, method: str) -> Estimate:

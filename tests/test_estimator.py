@@ -215,3 +215,39 @@ def test_a_kernel_missing_for_a_precision_says_so():
         Estimator(task, device="cpu").estimate(TrainConfig(micro_batch_size=4, precision="bf16-mixed"), exact=True)
     assert "\n" not in str(info.value)
     assert "train_data()" not in str(info.value)
+
+
+def _count_traces(monkeypatch) -> list[int]:
+    import estimators._estimate as est_mod
+    seen: list[int] = []
+    original = est_mod.trace_step
+
+    def counted(task, config, **kwargs):
+        seen.append(kwargs.get("batch_size") or config.micro_batch_size)
+        return original(task, config, **kwargs)
+
+    monkeypatch.setattr(est_mod, "trace_step", counted)
+    return seen
+
+
+def test_cuda_targets_anchor_at_batch_one(monkeypatch):
+    seen = _count_traces(monkeypatch)
+    estimator = Estimator(lm_task(), gpu="A100-80GB")
+    one = estimator.estimate(TrainConfig(micro_batch_size=1))
+    seven = estimator.estimate(TrainConfig(micro_batch_size=7))
+    assert sorted(seen) == [1, 2, 3]  # batch 1 is an anchor, 7 is scaled from them
+    assert seven.method == "scaled"
+    exact = Estimator(lm_task(), gpu="A100-80GB")
+    assert exact.estimate(TrainConfig(micro_batch_size=1), exact=True).peak_bytes == one.peak_bytes
+    assert exact.estimate(TrainConfig(micro_batch_size=7), exact=True).peak_bytes == seven.peak_bytes
+
+
+def test_a_model_refusing_batch_one_anchors_at_two(monkeypatch):
+    # BatchNorm1d cannot train on one sample: the anchors move to 2, 3, 4.
+    task = Task(name="bn", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)),
+                sample_fn=lambda b: (torch.randn(b, 8), torch.randint(0, 2, (b,))))
+    seen = _count_traces(monkeypatch)
+    estimator = Estimator(task, gpu="A100-80GB")
+    six = estimator.estimate(TrainConfig(micro_batch_size=6))
+    assert six.method == "scaled" and {2, 3, 4} <= set(seen)
+    assert six.peak_bytes == Estimator(task, gpu="A100-80GB").estimate(TrainConfig(micro_batch_size=6), exact=True).peak_bytes
