@@ -17,9 +17,11 @@ model (``max_memory_reserved``), with the cuBLAS workspace added as its own allo
 from __future__ import annotations
 
 import difflib
+import os
 import threading
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
 from ._timing import DeviceRates, OpCosts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts
 from ._trace import Category, DataDependentShapes, Trace, trace_step
+from ._trace_worker import TraceWorker, WorkerDied, worker_available
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
 
@@ -48,6 +51,9 @@ CUDA_ANCHORS = (1, 2, 3)
 """Batch sizes traced for batch scaling on CUDA targets: fake tensors size tensors alone, so
 batch 1 is an anchor and needs no trace of its own. A model that cannot train at batch 1
 (BatchNorm refuses it) or shapes it differently falls back to ``ANCHORS``."""
+
+PARALLEL_TRACE_S = 1.0
+"""Fake traces taking at least this long share batch-scaling anchors with a worker process."""
 
 WORKSPACE_ANCHORS = (2, 4)
 """Batch sizes of the real, profiled CPU runs that measure kernel workspaces."""
@@ -172,6 +178,9 @@ class Estimator:
         self._workspace_fits: dict[Any, Any] = {}
         self._affine: bool | None = None  # are allocation sizes affine in the batch size?
         self._anchors = CUDA_ANCHORS if self.device == "cuda" else ANCHORS
+        self._worker: TraceWorker | None = None
+        self._worker_failed = False
+        self._last_fake_trace_s = 0.0
         self._rates: DeviceRates | None = None
         self._calibration = TimeCalibration()
 
@@ -198,6 +207,13 @@ class Estimator:
             p, _ = self._events(config)
             parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
             self._calibration.add(parts, measured_step_time_s)
+
+    def close(self) -> None:
+        """Stop the trace worker, if one runs (a later trace starts it again when needed)."""
+        with self._lock:
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
 
     def check_config(self, config: TrainConfig) -> None:
         if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
@@ -233,7 +249,10 @@ class Estimator:
             return trace_step(self.task, config, batch_size=batch, real=True, profile=True)
         if not self._data_dependent:
             try:
-                return trace_step(self.task, config, batch_size=batch, target=self.device)
+                start = time.perf_counter()
+                trace = trace_step(self.task, config, batch_size=batch, target=self.device)
+                self._last_fake_trace_s = time.perf_counter() - start
+                return trace
             except DataDependentShapes:
                 self._data_dependent = True
         return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
@@ -448,6 +467,7 @@ class Estimator:
         while True:
             anchors = self._anchors if self._affine is None else (self._anchors[0], self._anchors[-1])
             try:
+                self._trace_in_parallel(config, anchors)
                 traces = [self._trace(config, a) for a in anchors]
             except Exception:  # noqa: BLE001 - small batches may be refused; trace each b
                 traces = []
@@ -455,6 +475,49 @@ class Estimator:
                 return traces, anchors
             # Batch 1 refused or shaped apart from the others: anchor where the CPU does.
             self._anchors = ANCHORS
+
+    def _trace_in_parallel(self, config: TrainConfig, batches: Sequence[int]) -> None:
+        """Trace the last missing batch size in the worker process while this one traces
+        the others, when traces of this model take long enough to be worth a second core."""
+        shape_key = self._shape_key(config)
+        missing = [b for b in batches if (shape_key, b) not in self._prepared]
+        if len(missing) >= 2 and self._last_fake_trace_s == 0.0 and not self._data_dependent:
+            # The model's first trace says how long its traces take.
+            self._trace(config, missing.pop(0))
+        if (len(missing) < 2 or self._data_dependent or self._worker_failed
+                or self._last_fake_trace_s < PARALLEL_TRACE_S or not worker_available()
+                or (os.cpu_count() or 1) < 2):
+            return
+        remote = missing[-1]
+        try:
+            if self._worker is None or not self._worker.alive():
+                self._worker = TraceWorker(self.task)
+            self._worker.submit(config, remote, self.device)
+        except Exception:  # noqa: BLE001 - no worker: trace alone
+            self._drop_worker()
+            return
+        try:
+            for b in missing[:-1]:
+                self._trace(config, b)
+        finally:
+            try:
+                # Its trace takes about as long as ours: far longer means it is stuck.
+                trace = self._worker.result(timeout_s=max(120.0, 20 * self._last_fake_trace_s))
+            except WorkerDied:
+                self._drop_worker()
+                trace = None
+            except Exception:  # noqa: BLE001 - traced here again, which raises it properly
+                trace = None
+            if trace is not None and trace.method == "traced":
+                self._prepared.setdefault((shape_key, remote), self._prepare(trace))
+
+    def _drop_worker(self) -> None:
+        self._worker_failed = True
+        if self._worker is not None:
+            try:
+                self._worker.close()
+            finally:
+                self._worker = None
 
     # -- replay ---------------------------------------------------------------------------
     def _replay(self, config: TrainConfig, p: _Prepared, method: str) -> Estimate:

@@ -250,6 +250,8 @@ def search(
             study.optimize(objective, n_trials=remaining, show_progress_bar=progress, catch=())
         except KeyboardInterrupt:
             interrupted = True  # completed trials are in the storage; plan from them
+        finally:
+            estimator.close()  # its trace worker, if a large model started one
 
     estimates = [e for c, e in cache.items() if c in set(space)]
     feasible = [e for e in estimates if e.peak_bytes + e.context_bytes <= limit]

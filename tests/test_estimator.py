@@ -251,3 +251,57 @@ def test_a_model_refusing_batch_one_anchors_at_two(monkeypatch):
     six = estimator.estimate(TrainConfig(micro_batch_size=6))
     assert six.method == "scaled" and {2, 3, 4} <= set(seen)
     assert six.peak_bytes == Estimator(task, gpu="A100-80GB").estimate(TrainConfig(micro_batch_size=6), exact=True).peak_bytes
+
+
+def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
+    import estimators._estimate as est_mod
+    from estimators._trace_worker import worker_available
+    assert worker_available()  # Linux: the path CI and users take
+    monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)  # every model counts as large
+    started = []
+    original = est_mod.TraceWorker
+
+    class Counted(original):  # type: ignore[misc, valid-type]
+        def __init__(self, task):
+            started.append(task.name)
+            super().__init__(task)
+
+    monkeypatch.setattr(est_mod, "TraceWorker", Counted)
+    parallel = Estimator(lm_task(), gpu="A100-80GB")
+    configs = [TrainConfig(micro_batch_size=5), TrainConfig(micro_batch_size=9, precision="bf16-mixed"),
+               TrainConfig(micro_batch_size=6, checkpoint_segments=2)]
+    got = [parallel.estimate(c) for c in configs]
+    assert started == ["tinylm"] and parallel._worker is not None
+    proc = parallel._worker._proc
+    parallel.close()
+    assert parallel._worker is None and not proc.is_alive()
+    monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", float("inf"))
+    alone = Estimator(lm_task(), gpu="A100-80GB")
+    for config, estimate in zip(configs, got):
+        ref = alone.estimate(config)
+        assert (estimate.peak_bytes, estimate.breakdown, estimate.step_time_s) == \
+            (ref.peak_bytes, ref.breakdown, ref.step_time_s)
+    # A model refusing batch 1 fails in the worker as here: the anchors still move to 2, 3, 4.
+    monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)
+    bn = Task(name="bn", build_model=lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)),
+              sample_fn=lambda b: (torch.randn(b, 8), torch.randint(0, 2, (b,))))
+    estimator = Estimator(bn, gpu="A100-80GB")
+    assert estimator.estimate(TrainConfig(micro_batch_size=6)).method == "scaled"
+    estimator.close()
+
+
+def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
+    import estimators._estimate as est_mod
+    monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)
+    original_submit = est_mod.TraceWorker.submit
+
+    def submit_then_die(self, config, batch_size, target):
+        original_submit(self, config, batch_size, target)
+        self._proc.kill()
+
+    monkeypatch.setattr(est_mod.TraceWorker, "submit", submit_then_die)
+    estimator = Estimator(lm_task(), gpu="A100-80GB")
+    got = estimator.estimate(TrainConfig(micro_batch_size=6))
+    assert estimator._worker is None and estimator._worker_failed
+    ref = Estimator(lm_task(), gpu="A100-80GB").estimate(TrainConfig(micro_batch_size=6), exact=True)
+    assert got.method == "scaled" and got.peak_bytes == ref.peak_bytes
