@@ -6,8 +6,9 @@ after round, the order reversed every other round (A B C, C B A, ...) so that a 
 hits every variant alike:
 
 * A ``trainer``: ``memplan.train(task, config, TrainOptions(max_steps=N, ...))``, no guard,
-  with ``eval_every=checkpoint_every=N``: the evaluation and the checkpoint come after the
-  last measured step (the hand loop has neither);
+  with ``checkpoint_every=N`` (the checkpoint comes after the last measured step) and the
+  task's validation data removed (the hand loop evaluates nothing; tiny_gpt's evaluation
+  would add ~7 s a run after the measured steps and only lengthen the benchmark);
 * B ``hand loop``: what a careful hand-written loop does per step, the trainer's per-step work
   and no more: the same model (same seed), optimizer (``task.make_optimizer``, same lr) and
   DataLoader (same dataset, collate, shuffled, ``drop_last=False`` -- the trainer's last
@@ -30,9 +31,9 @@ warm-up run of each variant comes first. The 1-minute load average is recorded p
 Then ``memplan fit examples/digits.py --vram 1GB --out /tmp/digits-run`` and
 ``memplan fit examples/tiny_gpt.py --vram 2GB --out /tmp/gpt-run [--max-steps K]`` run as
 subprocesses; their wall time and final metrics are reported. The overhead part takes about
-6-7 minutes on an idle 2-core CPU, the fits about 8 more.
+8-9 minutes on a 2-core CPU, the fits about 8 more.
 
-    python benchmarks/trainer_overhead.py [--rounds-digits 20] [--rounds-gpt 12] [--skip-fit]
+    python benchmarks/trainer_overhead.py [--rounds-digits 30] [--rounds-gpt 12] [--skip-fit]
         [--skip-overhead] [--models digits,tiny_gpt] [--gpt-max-steps K] [--threads N]
         [--wait-load L [--wait-max S]] [--out FILE]
 
@@ -44,6 +45,7 @@ quieter moment first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -83,7 +85,8 @@ WORK = [
     "cosine lr step, and a JSON metrics line (the hand loop writes it through Python's file buffer; the "
     "trainer queues it and writes at most a second later, at checkpoints and at the end). The trainer "
     "also keeps its data position, counters and throughput, checks for a stop signal, and reads its "
-    "peak-memory counter. Evaluation and checkpoints are set to come after the last measured step.",
+    "peak-memory counter. The trainer runs without validation data (no evaluation) and with its "
+    "checkpoint after the last measured step.",
     "",
     "Each run's value is its mean step time (step end to step end, warm-up steps dropped); the overhead is "
     "the median over rounds of the per-round paired ratio trainer / hand loop, which ran next to each other "
@@ -119,7 +122,7 @@ def run_trainer(task, config, steps: int, guard_budget: int | None, tmp: Path) -
     try:
         out = tmp / f"run-{time.monotonic_ns()}"
         opts = TrainOptions(max_steps=steps, out_dir=out, progress=False, num_workers=0, seed=0,
-                            eval_every=steps, checkpoint_every=steps)
+                            checkpoint_every=steps)
         guard = MemoryGuard(guard_budget) if guard_budget else None
         train(task, config, opts, memory_guard=guard)
         shutil.rmtree(out, ignore_errors=True)
@@ -184,7 +187,8 @@ def overhead_section(names, rounds_of: dict[str, int], skip: int) -> tuple[list[
     for name in names:
         path, micro, steps, budget = MODELS[name]
         rounds = rounds_of[name]
-        task = load_task(str(path))
+        # No validation data: no evaluation, which the hand loop does not do either.
+        task = dataclasses.replace(load_task(str(path)), val_data=None)
         config = TrainConfig(micro_batch_size=micro, precision="fp32")
 
         def run(variant: str, n: int) -> list[float]:
@@ -266,7 +270,7 @@ def run_fit(model: str, vram: str, out: str, extra: list[str]) -> tuple[list[str
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="digits,tiny_gpt")
-    ap.add_argument("--rounds-digits", type=int, default=20)
+    ap.add_argument("--rounds-digits", type=int, default=30)
     ap.add_argument("--rounds-gpt", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each run")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
