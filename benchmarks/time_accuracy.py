@@ -6,7 +6,9 @@ checkpointing); each configuration's real step time is measured (see below). Rep
 
 * Spearman rank correlation between predicted and measured step times (goal >= 0.9);
 * after ``Estimator.calibrate`` with two measured configurations (``--calibrate-on``, default
-  the smallest and the largest batch at fp32), the median and max |error| of the calibrated
+  the largest batch at fp32 and at bf16: the two a search probes here, since it probes the best
+  configuration and then the best of each other precision, and the largest batch is the
+  fastest of each precision on these models), the median and max |error| of the calibrated
   predictions on the other configurations (goal: median <= 15%);
 * measured/predicted ratio per configuration, to see which op classes are mispriced;
 * probe overhead (``overhead_s``: a probe's wall time less its steps): the first probe of the
@@ -33,7 +35,7 @@ saved start rates, so an offline rerun compares like with like.
 
     python benchmarks/time_accuracy.py [--models mlp,cnn_bn,...] [--batches 8,32,96]
         [--threads N] [--measure probe|cpu-time] [--cache FILE] [--save FILE] [--out FILE]
-        [--calibrate-on min-fp32,max-fp32] [--also-calibrate-on "min-fp32,max-bf16;..."]
+        [--calibrate-on max-fp32,max-bf16] [--also-calibrate-on "min-fp32,max-fp32;..."]
 """
 
 from __future__ import annotations
@@ -343,9 +345,9 @@ def main() -> None:
     ap.add_argument("--measure", choices=("probe", "cpu-time"), default="probe")
     ap.add_argument("--cache", help="read measurements from this JSON file instead of measuring")
     ap.add_argument("--save", default=str(DEFAULT_SAVE), help="write the measurements here")
-    ap.add_argument("--calibrate-on", default="min-fp32,max-fp32",
+    ap.add_argument("--calibrate-on", default="max-fp32,max-bf16",
                     help="the 2 measured configurations used to calibrate, e.g. min-fp32,max-bf16")
-    ap.add_argument("--also-calibrate-on", default="min-fp32,max-bf16;min-fp32,min-bf16",
+    ap.add_argument("--also-calibrate-on", default="min-fp32,max-fp32;min-fp32,max-bf16;min-fp32,min-bf16",
                     help="other calibration choices to report, separated by ';' (empty: none)")
     ap.add_argument("--keep-rates", action="store_true",
                     help="use the cached CPU rates file instead of measuring the rates again first")
