@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -71,11 +72,11 @@ from memplan._trainer import TrainOptions, train  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "trainer.md"
 MODELS = {
-    # name: (path, micro-batch, steps per run, guard budget). digits: 100 steps (~1.2 s, four
-    # epochs with short last windows) so that the trainer's once-a-second log write is inside
-    # the measured steps; tiny_gpt: 12 steps (~7 s) a run.
-    "digits": (ROOT / "examples" / "digits.py", 64, 100, 1_000_000_000),
-    "tiny_gpt": (ROOT / "examples" / "tiny_gpt.py", 32, 12, 2_000_000_000),
+    # name: (path, micro-batch, steps per run, guard budget, lockstep (chunk, chunks, runs)).
+    # digits: 100 steps (~1.2 s, four epochs with short last windows) so that the trainer's
+    # once-a-second log write is inside the measured steps; tiny_gpt: 12 steps (~7 s) a run.
+    "digits": (ROOT / "examples" / "digits.py", 64, 100, 1_000_000_000, (10, 20, 6)),
+    "tiny_gpt": (ROOT / "examples" / "tiny_gpt.py", 32, 12, 2_000_000_000, (1, 10, 4)),
 }
 VARIANTS = ("trainer", "hand", "trainer+guard")
 WORK = [
@@ -101,6 +102,17 @@ def log(msg: str) -> None:
 def mean_step(stamps: list[float], skip: int) -> float:
     """Mean time between consecutive step ends, the first ``skip`` intervals dropped."""
     return (stamps[-1] - stamps[skip]) / (len(stamps) - 1 - skip)
+
+
+def median_ci(xs: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median: order statistics ``k`` and
+    ``n + 1 - k`` with ``P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2``."""
+    xs, n = sorted(xs), len(xs)
+    tail, k = 0.0, 0
+    while k < n and tail + math.comb(n, k) / 2**n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k >= 1 else (xs[0], xs[-1])
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -132,6 +144,13 @@ def run_trainer(task, config, steps: int, guard_budget: int | None, tmp: Path) -
 
 
 def run_hand(task, config, steps: int, tmp: Path) -> list[float]:
+    gen = hand_steps(task, config, steps, tmp)
+    next(gen)  # set up
+    return list(gen)
+
+
+def hand_steps(task, config, steps: int, tmp: Path) -> Iterator[float | None]:
+    """The hand-written loop: yields None once set up, then each step's end time."""
     torch.manual_seed(0)
     model = task.build_model()
     model.train()
@@ -150,9 +169,9 @@ def run_hand(task, config, steps: int, tmp: Path) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     loader = DataLoader(task.dataset(), batch_size=config.micro_batch_size, shuffle=True, collate_fn=task.collate,
                         num_workers=0, generator=torch.Generator().manual_seed(0), drop_last=False)
-    stamps: list[float] = []
     epoch, it = 0, iter(loader)
     with open(tmp / f"hand-{time.monotonic_ns()}.jsonl", "w") as metrics:
+        yield None
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
             try:
@@ -176,8 +195,48 @@ def run_hand(task, config, steps: int, tmp: Path) -> list[float]:
             seconds = time.perf_counter() - t0
             metrics.write(json.dumps({"type": "step", "step": step, "epoch": epoch, "loss": loss_value, "lr": step_lr,
                                       "samples_per_s": n / seconds, "grad_norm": norm}) + "\n")
-            stamps.append(time.perf_counter())
-    return stamps
+            yield time.perf_counter()
+
+
+def run_lockstep(task, config, chunk: int, chunks: int, tmp: Path) -> list[tuple[float, float]]:
+    """The trainer and the hand loop taking turns, ``chunk`` steps each, inside one trainer run
+    (the hand loop's steps run from the trainer's step-end hook): pairs of chunks a fraction
+    of a second apart, so that load which comes and goes hits both alike. Returns
+    ``(trainer chunk s, hand chunk s)`` per turn; the first turn (one step each) is warm-up.
+    The trainer's chunk is everything from the end of the hand's chunk to the end of its own
+    ``chunk``-th step; the hand's chunk is its ``chunk`` steps."""
+    hand = hand_steps(task, config, 1 + chunk * chunks, tmp)
+    next(hand)  # set up before the trainer starts
+    pairs: list[tuple[float, float]] = []
+    state = {"steps": 0, "mark": 0.0}
+    original = _trainer.Trainer._after_window
+
+    def wrapped(self, window, outcome):
+        original(self, window, outcome)
+        now = time.perf_counter()
+        state["steps"] += 1
+        i = state["steps"]
+        if i == 1 or (i - 1) % chunk == 0:
+            trainer_s = now - state["mark"]
+            h0 = time.perf_counter()
+            for _ in range(1 if i == 1 else chunk):
+                next(hand)
+            hand_s = time.perf_counter() - h0
+            if i > 1:
+                pairs.append((trainer_s, hand_s))
+            state["mark"] = time.perf_counter()
+
+    _trainer.Trainer._after_window = wrapped
+    try:
+        out = tmp / f"lock-{time.monotonic_ns()}"
+        opts = TrainOptions(max_steps=1 + chunk * chunks, out_dir=out, progress=False, num_workers=0, seed=0,
+                            checkpoint_every=1 + chunk * chunks)
+        train(task, config, opts)
+        shutil.rmtree(out, ignore_errors=True)
+    finally:
+        _trainer.Trainer._after_window = original
+        hand.close()
+    return pairs
 
 
 def overhead_section(names, rounds_of: dict[str, int], skip: int) -> tuple[list[str], dict]:
@@ -185,7 +244,7 @@ def overhead_section(names, rounds_of: dict[str, int], skip: int) -> tuple[list[
     lines = []
     summary = {}
     for name in names:
-        path, micro, steps, budget = MODELS[name]
+        path, micro, steps, budget, (chunk, chunks, lock_runs) = MODELS[name]
         rounds = rounds_of[name]
         # No validation data: no evaluation, which the hand loop does not do either.
         task = dataclasses.replace(load_task(str(path)), val_data=None)
@@ -211,12 +270,18 @@ def overhead_section(names, rounds_of: dict[str, int], skip: int) -> tuple[list[
             log(f"[{name}] round {r + 1}/{rounds} (load {loads[-1]:.2f}): "
                 + ", ".join(f"{k} {per_round[k][-1] * 1e3:.2f} ms" for k in VARIANTS)
                 + f"; trainer/hand {100 * (per_round['trainer'][-1] / per_round['hand'][-1] - 1):+.1f}%")
+        lock: list[float] = []
+        for _ in range(lock_runs):
+            lock += [100 * (t / h - 1) for t, h in run_lockstep(task, config, chunk, chunks, tmp)[1:]]
+        log(f"[{name}] lockstep: {len(lock)} pairs, median trainer/hand {statistics.median(lock):+.2f}%")
         minutes = (time.perf_counter() - t_model) / 60
         paired = [100 * (a / b - 1) for a, b in zip(per_round["trainer"], per_round["hand"])]
         guard = [100 * (a / b - 1) for a, b in zip(per_round["trainer+guard"], per_round["trainer"])]
-        pq, gq = quartiles(paired), quartiles(guard)
+        pq, gq, lq = quartiles(paired), quartiles(guard), quartiles(lock)
+        pci, lci = median_ci(paired), median_ci(lock)
         slower = sum(p > 0 for p in paired)
-        summary[name] = {"per_round": per_round, "paired_pct": paired, "guard_pct": guard, "loads": loads}
+        summary[name] = {"per_round": per_round, "paired_pct": paired, "guard_pct": guard, "loads": loads,
+                         "lockstep_pct": lock}
         lines += [f"### {name} (micro-batch {micro}, fp32, {steps} steps per run, first {skip} dropped, "
                   f"{rounds} rounds, {minutes:.1f} min)", "",
                   "| variant | mean step ms, median over rounds | interquartile range ms |", "|---|---|---|"]
@@ -225,8 +290,13 @@ def overhead_section(names, rounds_of: dict[str, int], skip: int) -> tuple[list[
             lines.append(f"| {k} | {q2 * 1e3:.2f} | {q1 * 1e3:.2f} - {q3 * 1e3:.2f} |")
         lines += ["",
                   f"- **trainer vs hand loop: {pq[1]:+.1f}%** (median of the {rounds} per-round paired ratios; "
-                  f"interquartile range {pq[0]:+.1f}% .. {pq[2]:+.1f}%, min {min(paired):+.1f}%, max {max(paired):+.1f}%; "
+                  f"95% confidence interval of the median {pci[0]:+.1f}% .. {pci[1]:+.1f}%; interquartile range "
+                  f"{pq[0]:+.1f}% .. {pq[2]:+.1f}%, min {min(paired):+.1f}%, max {max(paired):+.1f}%; "
                   f"trainer slower in {slower} of {rounds} rounds). Goal: <= +3%.",
+                  f"- **lockstep, trainer vs hand loop: {lq[1]:+.1f}%** (median of {len(lock)} paired turns of {chunk} "
+                  f"step{'s' if chunk > 1 else ''} each, taking turns inside {lock_runs} trainer runs of "
+                  f"{1 + chunk * chunks} steps, the first turn of each dropped; 95% confidence interval of the median {lci[0]:+.1f}% .. {lci[1]:+.1f}%; "
+                  f"interquartile range {lq[0]:+.1f}% .. {lq[2]:+.1f}%)",
                   f"- memory guard cost (trainer+guard vs trainer): **{gq[1]:+.1f}%** "
                   f"(interquartile range {gq[0]:+.1f}% .. {gq[2]:+.1f}%; budget {budget / 1e9:.0f} GB)",
                   f"- 1-minute load average at the start of each round (this benchmark's own threads count "
