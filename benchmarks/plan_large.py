@@ -65,6 +65,10 @@ def main() -> None:
                               precisions=args.precision, global_batch=args.global_batch, progress=False)
         wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from memplan import _search
+    # Every trace the estimator holds, including those its worker process made (not counted
+    # by the wrapper above, which runs in this process only).
+    held = sum(len(est._prepared) for est in _search._ESTIMATORS.get(task, {}).values())
     lines = [
         f"# Plan for a {args.size.upper()} Llama-style model on {args.gpus} x {args.gpu}"
         + (f" x {args.nodes} nodes" if args.nodes > 1 else ""),
@@ -74,8 +78,9 @@ def main() -> None:
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         f"load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}",
         f"- parameters: {plan.best.predicted.params:,}",
-        f"- search wall time: **{wall:.1f} s** ({plan.trials} configurations estimated, {traces['n']} traces "
-        f"taking {traces['s']:.1f} s)",
+        f"- search wall time: **{wall:.1f} s** ({plan.trials} configurations estimated from {held} traces: "
+        f"{traces['n']} made in this process, taking {traces['s']:.1f} s, the others by the estimator's worker "
+        "process meanwhile)",
         f"- process peak RSS: {rss / 2**20:,.0f} MiB (the model's fp32 weights alone would be "
         f"{plan.best.predicted.params * 4 / 2**30:,.1f} GiB)",
         f"- launch: `torchrun --nproc-per-node {plan.launch['nproc_per_node']} --nnodes {plan.launch['nnodes']}`",
