@@ -31,9 +31,9 @@ warm-up run of each variant comes first. The 1-minute load average is recorded p
 Then ``memplan fit examples/digits.py --vram 1GB --out /tmp/digits-run`` and
 ``memplan fit examples/tiny_gpt.py --vram 2GB --out /tmp/gpt-run [--max-steps K]`` run as
 subprocesses; their wall time and final metrics are reported. The overhead part takes about
-8-9 minutes on a 2-core CPU, the fits about 8 more.
+about 9 minutes on a 2-core CPU, the fits about 8 more.
 
-    python benchmarks/trainer_overhead.py [--rounds-digits 30] [--rounds-gpt 12] [--skip-fit]
+    python benchmarks/trainer_overhead.py [--rounds-digits 24] [--rounds-gpt 10] [--skip-fit]
         [--skip-overhead] [--models digits,tiny_gpt] [--gpt-max-steps K] [--threads N]
         [--wait-load L [--wait-max S]] [--out FILE]
 
@@ -340,8 +340,8 @@ def run_fit(model: str, vram: str, out: str, extra: list[str]) -> tuple[list[str
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="digits,tiny_gpt")
-    ap.add_argument("--rounds-digits", type=int, default=30)
-    ap.add_argument("--rounds-gpt", type=int, default=12)
+    ap.add_argument("--rounds-digits", type=int, default=24)
+    ap.add_argument("--rounds-gpt", type=int, default=10)
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each run")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--skip-fit", action="store_true")
