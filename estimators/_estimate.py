@@ -211,9 +211,9 @@ class Estimator:
     def close(self) -> None:
         """Stop the trace worker, if one runs (a later trace starts it again when needed)."""
         with self._lock:
-            if self._worker is not None:
-                self._worker.close()
-                self._worker = None
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                worker.close()
 
     def check_config(self, config: TrainConfig) -> None:
         if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
@@ -513,11 +513,7 @@ class Estimator:
 
     def _drop_worker(self) -> None:
         self._worker_failed = True
-        if self._worker is not None:
-            try:
-                self._worker.close()
-            finally:
-                self._worker = None
+        self.close()
 
     # -- replay ---------------------------------------------------------------------------
     def _replay(self, config: TrainConfig, p: _Prepared, method: str) -> Estimate:

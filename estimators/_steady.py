@@ -48,7 +48,6 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
     if not step1 or step1 != list(range(step1[0], step1[-1] + 1)) or labels[-1] != "end":
         raise ValueError(f"not a one-step trace: phases {labels}")
     first, last = step1[0], step1[-1]
-    end_phase = len(labels) - 1
     shift = len(step1)  # phase index offset of the copy; "end" moves after it
     new_labels = labels[: last + 1] + ["step 2 " + labels[i][len("step 1 "):] for i in step1] + ["end"]
 
@@ -88,10 +87,10 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
             out_sign.append(s)
             out_phase.append(ph + shift)
     n_copied = copied_before[-1]
-    for a, s, ph in events[n_before_end:]:
+    for a, s, ph in events[n_before_end:]:  # the "end" phase, after the copy
         out_alloc.append(a)
         out_sign.append(s)
-        out_phase.append(ph + shift if ph == end_phase or ph > last else ph)
+        out_phase.append(ph + shift)
 
     # Ops: step 1's again, less those that only created surviving state.
     ops_before, pos_before, ops_step2, pos_step2, ops_after, pos_after = [], [], [], [], [], []

@@ -438,7 +438,7 @@ def _steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accu
         first, last = micro_of(micro_phases[0]), micro_of(micro_phases[-1])
         for i in micro_phases:
             if micro_of(i) == first:
-                weights[i] = 1.0 if grad_accum_steps > 1 else float(grad_accum_steps)
+                weights[i] = 1.0
             elif micro_of(i) == last:
                 weights[i] = float(max(grad_accum_steps - 1, 0))
     else:
