@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -183,6 +183,9 @@ class Estimator:
         self._last_fake_trace_s = 0.0
         self._rates: DeviceRates | None = None
         self._calibration = TimeCalibration()
+        self._exact_shapes: set[tuple[Any, ...]] = set()
+        # Traces of accumulation 1 derived from traces of accumulation 2, not yet prepared.
+        self._derived: dict[tuple[Any, int], Trace] = {}
 
     # -- public -----------------------------------------------------------------------
     def estimate(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
@@ -191,6 +194,22 @@ class Estimator:
         self.check_config(config)
         prepared, method = self._events(config, exact=exact)
         return self._replay(config, prepared, method)
+
+    def expect(self, configs: Iterable[TrainConfig]) -> None:
+        """Say which configurations will be estimated. Batch scaling costs two or three anchor
+        traces per shape (everything but the micro-batch size); a shape asked at no more than
+        two micro-batch sizes is traced at its own sizes instead: as few traces or fewer, and
+        exact. Accumulation 1 under a fixed global batch has one size, but its anchors come
+        free with those of accumulation 2 (``Trace.single_micro``): it is scaled when they are."""
+        sizes: dict[tuple[Any, ...], set[int]] = {}
+        for config in configs:
+            sizes.setdefault(self._shape_key(config), set()).add(config.micro_batch_size)
+        with self._lock:
+            few = {key for key, batches in sizes.items()
+                   if len({b for b in batches if b >= self._anchors[0]}) <= 2}
+            self._exact_shapes = {key for key in few
+                                  if not (key[0] == 1 and key[3] == "single" and (2, *key[1:]) in sizes
+                                          and (2, *key[1:]) not in few)}
 
     def rates(self) -> DeviceRates:
         """The target's compute and memory rates (spec table for GPUs, measured for the CPU)."""
@@ -238,8 +257,17 @@ class Estimator:
         key = (self._shape_key(config), batch)
         with self._lock:
             if key not in self._prepared:
-                self._prepared[key] = self._prepare(self._raw_trace(config, batch))
+                trace = self._derived.pop(key, None) or self._keep_derived(self._raw_trace(config, batch))
+                self._prepared[key] = self._prepare(trace)
             return self._prepared[key]
+
+    def _keep_derived(self, trace: Trace) -> Trace:
+        """Keep the accumulation-1 trace derived from ``trace``, for when it is asked."""
+        if trace.single_micro is not None:
+            derived = trace.single_micro
+            self._derived.setdefault((self._shape_key(derived.config), derived.batch_size), derived)
+            trace.single_micro = None
+        return trace
 
     def _raw_trace(self, config: TrainConfig, batch: int) -> Trace:
         if self.device == "cpu" and batch < WORKSPACE_ANCHORS[0]:
@@ -403,7 +431,7 @@ class Estimator:
             return p, p.method
         # Below the smallest anchor the fit would extrapolate into sizes where kernels pick
         # other algorithms (oneDNN at batch 1): trace such batches themselves.
-        scaling = None if (exact or b < self._anchors[0]) else self._scaling_for(config)
+        scaling = None if (exact or b < self._anchors[0] or key[0] in self._exact_shapes) else self._scaling_for(config)
         if scaling is not None:
             sizes = np.rint(scaling.intercept + scaling.slope * b).astype(np.int64)
             sizes = np.maximum(sizes, 0)
@@ -480,7 +508,7 @@ class Estimator:
         """Trace the last missing batch size in the worker process while this one traces
         the others, when traces of this model take long enough to be worth a second core."""
         shape_key = self._shape_key(config)
-        missing = [b for b in batches if (shape_key, b) not in self._prepared]
+        missing = [b for b in batches if (shape_key, b) not in self._prepared and (shape_key, b) not in self._derived]
         if len(missing) >= 2 and self._last_fake_trace_s == 0.0 and not self._data_dependent:
             # The model's first trace says how long its traces take.
             self._trace(config, missing.pop(0))
@@ -509,7 +537,7 @@ class Estimator:
             except Exception:  # noqa: BLE001 - traced here again, which raises it properly
                 trace = None
             if trace is not None and trace.method == "traced":
-                self._prepared.setdefault((shape_key, remote), self._prepare(trace))
+                self._prepared.setdefault((shape_key, remote), self._prepare(self._keep_derived(trace)))
 
     def _drop_worker(self) -> None:
         self._worker_failed = True

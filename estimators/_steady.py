@@ -16,6 +16,9 @@ Step 2 thus replays step 1's kernels with step 1's survivors alive, which is wha
 second step does when the model's control flow does not depend on the step number.
 DDP (its buckets are rebuilt at step 2) and FSDP2 (lazy initialisation in step 1) differ
 between steps in other ways and are traced for two steps; so are real runs.
+
+Likewise a step without gradient accumulation is the first micro-batch of an accumulating
+step (``drop_second_micro``): one trace of accumulation 2 serves accumulation 1 too.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["RawEvents", "repeat_first_step"]
+__all__ = ["RawEvents", "drop_second_micro", "repeat_first_step"]
 
 
 @dataclass
@@ -133,3 +136,61 @@ def _only_made(raw: RawEvents, new_bytes: int, pos: int, survivors: set[int]) ->
         total += raw.alloc_bytes[a]
         k -= 1
     return total == new_bytes
+
+
+def drop_second_micro(raw: RawEvents) -> RawEvents | None:
+    """One traced step of two micro-batches (phases "step 1 micro 1 …", "step 1 micro 2 …")
+    as the step of one micro-batch: accumulation 1 at the same micro-batch size.
+
+    The first micro-batch of an accumulating step runs what a step without accumulation runs
+    (it creates the gradients; the second adds into them), so dropping the second leaves that
+    step. This holds only when the second micro-batch is self-contained: every allocation it
+    touches is born and released within it. Otherwise (something it frees was made before
+    it, or something it makes outlives it) None is returned and the step is traced.
+    """
+    labels = raw.phase_labels
+    second = {i for i, label in enumerate(labels) if label.startswith("step 1 micro 2 ")}
+    first = {i for i, label in enumerate(labels) if label.startswith("step 1 micro 1 ")}
+    if not second or not first or any(label.startswith("step 2 ") for label in labels):
+        return None
+    inside: dict[int, list[int]] = {}
+    outside: set[int] = set()
+    for a, s, ph in zip(raw.event_alloc, raw.event_sign, raw.event_phase):
+        if ph in second:
+            inside.setdefault(a, []).append(s)
+        else:
+            outside.add(a)
+    if any(a in outside or sorted(signs) != [-1, 1] for a, signs in inside.items()):
+        return None
+
+    kept_phases = [i for i in range(len(labels)) if i not in second]
+    new_phase = {old: new for new, old in enumerate(kept_phases)}
+    new_labels = ["step 1 " + labels[i][len("step 1 micro 1 "):] if i in first else labels[i] for i in kept_phases]
+    kept_allocs = [a for a in range(len(raw.alloc_bytes)) if a not in inside]
+    new_alloc = {old: new for new, old in enumerate(kept_allocs)}
+
+    out_alloc, out_sign, out_phase = [], [], []
+    dropped_before = [0] * (len(raw.event_alloc) + 1)
+    for k, (a, s, ph) in enumerate(zip(raw.event_alloc, raw.event_sign, raw.event_phase)):
+        drop = ph in second
+        dropped_before[k + 1] = dropped_before[k] + drop
+        if not drop:
+            out_alloc.append(new_alloc[a])
+            out_sign.append(s)
+            out_phase.append(new_phase[ph])
+    ops, positions = [], []
+    for op, pos in zip(raw.ops, raw.op_positions):
+        if op.phase not in second:
+            ops.append(replace(op, phase=new_phase[op.phase]))
+            positions.append(pos - dropped_before[pos])
+    return RawEvents(
+        alloc_bytes=[raw.alloc_bytes[a] for a in kept_allocs],
+        alloc_category=[raw.alloc_category[a] for a in kept_allocs],
+        event_alloc=out_alloc,
+        event_sign=out_sign,
+        event_phase=out_phase,
+        phase_labels=new_labels,
+        ops=ops,
+        op_positions=positions,
+        host=sorted(new_alloc[a] for a in raw.host if a in new_alloc),
+    )

@@ -33,7 +33,7 @@ from . import _checkpoint, _distributed, _parallel, _precision
 from ._config import TrainConfig
 from ._errors import MemplanError, ModelFileError
 from ._task import Task, _one_line
-from ._steady import RawEvents, repeat_first_step
+from ._steady import RawEvents, drop_second_micro, repeat_first_step
 
 __all__ = ["Category", "Trace", "OpRecord", "trace_step", "DataDependentShapes"]
 
@@ -115,6 +115,9 @@ class Trace:
     host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Allocations that live in host memory even when training on a GPU (the CPU RNG state
     ``torch.utils.checkpoint`` saves per checkpointed block)."""
+    single_micro: Trace | None = None
+    """The same step without gradient accumulation, derived from this trace (fake traces of
+    one device with accumulation >= 2; see ``estimators._steady.drop_second_micro``)."""
 
     def structure_key(self) -> tuple[int, int]:
         return (len(self.event_alloc), len(self.alloc_bytes))
@@ -487,8 +490,17 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     # the end of the trace's lifetime; that is not part of the step, so no events are added.
     raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc, rec.event_sign, rec.event_phase,
                     phase_labels, rec.ops, rec.op_positions, rec.host)
-    if derive:
-        raw = repeat_first_step(raw)
+    workspace = _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None
+    if not derive:
+        return _as_trace(raw, config, b, "measured-cpu" if real else "traced", workspace)
+    single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
+    trace = _as_trace(repeat_first_step(raw), config, b, "traced", workspace)
+    if single is not None:
+        trace.single_micro = _as_trace(repeat_first_step(single), config.replace(grad_accum_steps=1), b, "traced", None)
+    return trace
+
+
+def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, workspace: list[int] | None) -> Trace:
     event_alloc, event_phase = _canonical_free_order(raw.event_alloc, raw.event_sign, raw.event_phase)
     return Trace(
         batch_size=b,
@@ -500,9 +512,9 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         event_phase=event_phase,
         phase_labels=raw.phase_labels,
         ops=raw.ops,
-        method="measured-cpu" if real else "traced",
+        method=method,
         op_positions=raw.op_positions,
-        op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
+        op_workspace=workspace,
         host_allocs=np.asarray(sorted(set(raw.host)), dtype=np.int64),
     )
 

@@ -305,3 +305,34 @@ def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
     assert estimator._worker is None and estimator._worker_failed
     ref = Estimator(lm_task(), gpu="A100-80GB").estimate(TrainConfig(micro_batch_size=6), exact=True)
     assert got.method == "scaled" and got.peak_bytes == ref.peak_bytes
+
+
+@pytest.mark.parametrize("device,gpu", [("cuda", "A100-80GB"), ("cpu", None)])
+def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
+    # Under a fixed global batch, accumulation 1 is asked at one micro-batch size: its anchors
+    # are derived from the accumulating anchors' traces instead of traced.
+    import estimators._estimate as est_mod
+    calls = []
+    original = est_mod.trace_step
+
+    def counted(task, config, **kwargs):
+        if not kwargs.get("real"):
+            calls.append((config.grad_accum_steps, kwargs.get("batch_size")))
+        return original(task, config, **kwargs)
+
+    monkeypatch.setattr(est_mod, "trace_step", counted)
+    monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", float("inf"))  # every trace in this process
+    space = [TrainConfig(micro_batch_size=m, grad_accum_steps=12 // m) for m in (1, 2, 3, 4, 6, 12)]
+    estimator = Estimator(lm_task(), device=device, gpu=gpu)
+    estimator.expect(space)
+    got = {c: estimator.estimate(c) for c in space}
+    assert all(accum >= 2 for accum, _ in calls) and len(calls) == 3  # the anchors, once
+    assert got[space[-1]].method == "scaled"
+    exact = Estimator(lm_task(), device=device, gpu=gpu).estimate(space[-1], exact=True)
+    assert (got[space[-1]].peak_bytes, got[space[-1]].peak_reserved_bytes, got[space[-1]].breakdown) == \
+        (exact.peak_bytes, exact.peak_reserved_bytes, exact.breakdown)
+    # Without the accumulating shapes to share, a shape asked at one size is traced exactly.
+    alone = Estimator(lm_task(), device=device, gpu=gpu)
+    alone.expect(space[-1:])
+    calls.clear()
+    assert alone.estimate(space[-1]).method == "traced" and calls == [(1, 12)]

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from estimators import Task, TrainConfig
-from estimators._steady import RawEvents, repeat_first_step
+from estimators._steady import RawEvents, drop_second_micro, repeat_first_step
 from estimators._trace import Trace, trace_step
 
 from test_estimator import cnn_task, lm_task
@@ -69,6 +69,57 @@ def test_derived_second_step_equals_a_traced_one(factory, config, one_thread):
     # Each op's position: the same count of events before it.
     assert derived.op_positions == traced.op_positions
     assert len(derived.host_allocs) == len(traced.host_allocs)
+
+
+@pytest.mark.parametrize("factory", [lm_task, cnn_task, lazy_task], ids=["lm", "cnn", "lazy"])
+@pytest.mark.parametrize("config", [
+    TrainConfig(micro_batch_size=3, grad_accum_steps=2),
+    TrainConfig(micro_batch_size=2, grad_accum_steps=4, precision="bf16-mixed"),
+    TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_segments=2),
+], ids=["fp32", "bf16", "ckpt"])
+def test_step_without_accumulation_derived_from_an_accumulating_one(factory, config, one_thread):
+    task = factory()
+    if config.checkpoint_segments and factory is lazy_task:
+        config = config.replace(checkpoint_segments=0)
+    accumulating = trace_step(task, config)
+    derived = accumulating.single_micro
+    traced = trace_step(task, config.replace(grad_accum_steps=1))
+    assert derived is not None and derived.config == traced.config and derived.batch_size == traced.batch_size
+    assert derived.phase_labels == traced.phase_labels
+    assert _events(derived) == _events(traced)
+    assert [(op.name, op.phase, op.flops, op.bytes_moved) for op in derived.ops] == \
+        [(op.name, op.phase, op.flops, op.bytes_moved) for op in traced.ops]
+    assert derived.op_positions == traced.op_positions
+    assert len(derived.alloc_bytes) == len(traced.alloc_bytes)
+    assert len(derived.host_allocs) == len(traced.host_allocs)
+    # Nothing is derived where the first micro-batch is all there is, or from real runs.
+    assert traced.single_micro is None
+    assert trace_step(task, config, real=True).single_micro is None
+
+
+def test_second_micro_batch_that_leaks_is_not_dropped():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class R:
+        name: str
+        phase: int
+        new_bytes: int
+
+    labels = ["setup", "step 1 micro 1 forward", "step 1 micro 2 forward", "step 1 optimizer", "end"]
+    # An activation (1) of micro 1 and one (2) of micro 2, each born and freed in its phase.
+    raw = RawEvents(alloc_bytes=[100, 10, 10], alloc_category=[0, 1, 1],
+                    event_alloc=[0, 1, 1, 2, 2], event_sign=[1, 1, -1, 1, -1], event_phase=[0, 1, 1, 2, 2],
+                    phase_labels=labels, ops=[R("a", 1, 10), R("b", 2, 10)], op_positions=[2, 4], host=[2])
+    out = drop_second_micro(raw)
+    assert out is not None and out.phase_labels == ["setup", "step 1 forward", "step 1 optimizer", "end"]
+    assert out.alloc_bytes == [100, 10] and out.host == []
+    assert list(zip(out.event_alloc, out.event_sign, out.event_phase)) == [(0, 1, 0), (1, 1, 1), (1, -1, 1)]
+    assert [(op.name, op.phase) for op in out.ops] == [("a", 1)] and out.op_positions == [2]
+    # Micro 2 frees what micro 1 made: the two are not independent, nothing is derived.
+    leaky = dataclasses.replace(raw, event_alloc=[0, 1, 2, 1, 2], event_phase=[0, 1, 2, 2, 2],
+                                event_sign=[1, 1, 1, -1, -1])
+    assert drop_second_micro(leaky) is None
 
 
 def test_repeat_first_step_keeps_survivors_once():
