@@ -17,6 +17,7 @@ import math
 import os
 import warnings
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -33,6 +34,7 @@ from estimators._config import Precision
 
 from ._plan import Plan, PlanEntry, provenance
 from ._space import SearchSpace, build_space, layouts_for
+from ._study import MirroredStudy
 
 __all__ = ["search", "resolve_task", "estimator_for", "default_budget", "default_storage"]
 
@@ -198,6 +200,7 @@ def search(
         prestart()
 
     cache: dict[TrainConfig, Estimate] = {}
+    estimator.expect(space)
 
     def evaluate(config: TrainConfig) -> Estimate:
         if config not in cache:
@@ -211,15 +214,11 @@ def search(
         sampler: optuna.samplers.BaseSampler = (
             optuna.samplers.BruteForceSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)
         )
-        study = optuna.create_study(
-            study_name=_study_name(task, estimator, budget, margin, space),
-            storage=storage or default_storage(),
-            sampler=sampler,
-            direction="maximize",
-            load_if_exists=True,
-        )
+    mirrored = MirroredStudy(name=_study_name(task, estimator, budget, margin, space),
+                             storage=storage or default_storage(), sampler=sampler, tuned_sqlite=storage is None)
+    study = mirrored.study
     # A resumed study's trials answer their configurations without re-estimating.
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+    for t in mirrored.resumed():
         if "estimate" in t.user_attrs:
             est = Estimate.from_dict(t.user_attrs["estimate"])
             cache.setdefault(est.config, est)
@@ -247,7 +246,7 @@ def search(
     interrupted = False
     if remaining:
         try:
-            study.optimize(objective, n_trials=remaining, show_progress_bar=progress, catch=())
+            mirrored.optimize(objective, n_trials=remaining, progress=progress)
         except KeyboardInterrupt:
             interrupted = True  # completed trials are in the storage; plan from them
         finally:
@@ -257,7 +256,9 @@ def search(
     feasible = [e for e in estimates if e.peak_bytes + e.context_bytes <= limit]
     if not feasible:
         raise _no_fit(estimates, budget, limit, estimator)
-    feasible.sort(key=lambda e: -(e.samples_per_s or 0.0))
+    # Equal predictions (checkpointing a block whose backward needs only its inputs costs
+    # nothing) rank the simpler configuration first: fewer checkpoints, fewer micro-batches.
+    feasible.sort(key=lambda e: (-(e.samples_per_s or 0.0), e.config.checkpoint_segments, e.config.grad_accum_steps))
     entries = [PlanEntry(config=e.config, predicted=e) for e in feasible]
     notes: list[str] = []
     if interrupted:
@@ -333,6 +334,8 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
+    if len(probed) >= 2:
+        probed = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
     # Unprobed configurations get the time model refitted by the probes.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
@@ -345,22 +348,79 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     return ranking, notes
 
 
+def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
+                      notes: list[str]) -> list[PlanEntry]:
+    """When the probes overturn the predicted order of the top configuration, measure the two
+    once more before believing them.
+
+    A probe's few steps run in one fresh process, and on a shared machine the same
+    configuration measures 20-40% apart from one process to the next, while the steps
+    within a probe agree to a few percent. A single measured lead against the prediction is
+    therefore as likely noise as a modelling error: the predicted best and the measured best
+    are probed again, in the other order, and each keeps the mean of its two measurements.
+    """
+    predicted_first = probed[0]  # probes run in predicted order
+    leader = max(probed, key=lambda e: e.samples_per_s)
+    if leader is predicted_first:
+        return probed
+    confirmed: dict[TrainConfig, PlanEntry | None] = {}  # None: dropped
+    for entry in (leader, predicted_first):
+        first = entry.measured
+        if first is None or not first.step_time_s:
+            continue
+        result = probe_fn(task, entry.config, limit)
+        status = getattr(result, "status", "error")
+        second: Estimate | None = result.estimate if status == "ok" else None
+        if status == "oom":
+            notes.append(f"{entry.config.describe()}: ran out of memory when probed again; dropped")
+            confirmed[entry.config] = None
+            continue
+        if second is None or not second.step_time_s:
+            notes.append(f"{entry.config.describe()}: second probe {status}; the first kept")
+            continue
+        estimator.calibrate(entry.config, second.step_time_s)
+        step = (first.step_time_s + second.step_time_s) / 2
+        higher = max((first, second), key=lambda m: m.peak_bytes + m.context_bytes)
+        if higher.peak_bytes + higher.context_bytes > limit:
+            notes.append(f"{entry.config.describe()}: measured {format_size(higher.peak_bytes)} is over the budget; dropped")
+            confirmed[entry.config] = None
+            continue
+        merged = replace(higher, step_time_s=step, samples_per_s=entry.config.global_batch / step,
+                         notes=(*higher.notes, f"time: mean of two probes ({first.step_time_s:.4g} s, "
+                                               f"{second.step_time_s:.4g} s)"))
+        confirmed[entry.config] = replace(entry, measured=merged)
+    notes.append(f"the probes put {leader.config.describe()} ahead of the predicted best "
+                 f"({predicted_first.config.describe()}): both were probed again")
+    out = [confirmed[e.config] if e.config in confirmed else e for e in probed]
+    return [e for e in out if e is not None]
+
+
 def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:
-    """The best configuration first, then the best of each other precision, then the rest.
+    """The best configuration first, then the best of each other precision, then the rest;
+    a configuration predicted exactly like one before it goes last.
 
     Probes calibrate the time model per precision: a bf16 step's speed on a CPU depends on
     kernels an fp32 probe says nothing about, so one probe of each precision keeps the
-    unprobed configurations' predictions honest.
+    unprobed configurations' predictions honest. A configuration the estimator cannot tell
+    from one already probed (same step time, same peak) would measure only the machine's
+    noise: a probe is better spent on a configuration that differs.
     """
     if not entries:
         return []
-    first: list[PlanEntry] = [entries[0]]
-    seen = {entries[0].config.precision}
-    for e in entries[1:]:
+    seen_estimates: set[tuple[float | None, int]] = set()
+    distinct: list[PlanEntry] = []
+    twins: list[PlanEntry] = []
+    for e in entries:
+        key = (e.predicted.step_time_s, e.predicted.peak_bytes + e.predicted.context_bytes)
+        (twins if key in seen_estimates else distinct).append(e)
+        seen_estimates.add(key)
+    first: list[PlanEntry] = [distinct[0]]
+    seen = {distinct[0].config.precision}
+    for e in distinct[1:]:
         if e.config.precision not in seen:
             first.append(e)
             seen.add(e.config.precision)
-    return first + [e for e in entries if e not in first]
+    return first + [e for e in distinct if e not in first] + twins
 
 
 def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:

@@ -203,3 +203,119 @@ def test_probes_cover_each_precision_early():
     precisions = {e.config.precision for e in plan.entries}
     assert {e.config.precision for e in order[:len(precisions)]} == precisions
     assert sorted(map(id, order)) == sorted(map(id, plan.entries))  # a reordering, nothing lost
+
+
+def test_interrupted_search_keeps_its_trials_and_resumes(tmp_path, monkeypatch):
+    import optuna
+
+    from estimators import Estimator
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    real_estimate = Estimator.estimate
+    calls = []
+
+    def interrupted_at_the_fifth(self, config, **kwargs):
+        calls.append(config)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_estimate(self, config, **kwargs)
+
+    monkeypatch.setattr(Estimator, "estimate", interrupted_at_the_fifth)
+    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=0, storage=storage)
+    cut = search(lm(), **kwargs)
+    assert cut.trials == 4 and any("interrupted" in n for n in cut.notes)
+    assert optuna.get_all_study_summaries(storage)[0].n_trials == 4  # written before returning
+
+    monkeypatch.setattr(Estimator, "estimate", real_estimate)
+    whole = search(lm(), **kwargs)
+    assert not any("interrupted" in n for n in whole.notes) and whole.trials > 4
+    assert optuna.get_all_study_summaries(storage)[0].n_trials == whole.trials
+    fresh = search(lm(), **{**kwargs, "storage": f"sqlite:///{tmp_path / 'fresh.db'}"})
+    assert [e.config for e in whole.entries] == [e.config for e in fresh.entries]
+
+
+def test_study_writes_through_in_batches(tmp_path):
+    import optuna
+
+    from memplan._study import MirroredStudy
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    mirrored = MirroredStudy(name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0),
+                             tuned_sqlite=True, flush_s=0.0)
+    seen = []
+
+    def objective(trial):
+        # Every earlier trial is already in the persistent storage when the next one runs.
+        seen.append(len(optuna.load_study(study_name="s", storage=storage).trials))
+        return trial.suggest_float("x", 0, 1)
+
+    mirrored.optimize(objective, n_trials=3, progress=False)
+    assert seen == [0, 1, 2]
+    again = MirroredStudy(name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
+    assert [t.params for t in again.resumed()] == [t.params for t in mirrored.study.trials]
+
+
+def test_equal_predictions_rank_the_simpler_config_and_are_probed_once():
+    # Checkpointing a Linear is free: its backward needs only the block's input and weight,
+    # so the estimator predicts every segment count alike and the twins must not crowd out
+    # a configuration that differs.
+    stack = Task(name="linear-stack",
+                 build_model=lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                                                   nn.Linear(64, 4)),
+                 sample_fn=lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))))
+    probed = []
+
+    def fake_probe(task, config: TrainConfig, budget: int):
+        from dataclasses import replace
+
+        from estimators import Estimator
+        from estimators._probe import ProbeResult
+        probed.append(config)
+        est = Estimator(task, device="cpu").estimate(config)
+        return ProbeResult(status="ok", estimate=replace(est, method="measured"), message="", overhead_s=0.0, wall_s=0.0)
+
+    plan = search(stack, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=2, probe_fn=fake_probe,
+                  precisions=["fp32"])
+    twins = [e for e in plan.entries if e.config.micro_batch_size == 8]
+    assert len(twins) == 4 and len({e.predicted.step_time_s for e in twins}) == 1
+    assert [e.config.checkpoint_segments for e in twins] == [0, 1, 2, 3]  # the simplest first
+    # Two probes, of configurations the estimator tells apart: micro-batch 8 and 4 x 2.
+    assert [(c.micro_batch_size, c.checkpoint_segments) for c in probed] == [(8, 0), (4, 0)]
+    assert plan.best.config == probed[0] or plan.best.config == probed[1]
+
+
+def test_probes_overturning_the_prediction_are_confirmed():
+    from dataclasses import replace
+
+    from estimators import Estimator
+    from estimators._probe import ProbeResult
+    calls: list[TrainConfig] = []
+    # The second configuration measures fast once (noise), then as predicted.
+    noisy_once = {"left": 1}
+
+    def fake_probe(task, config: TrainConfig, budget: int):
+        calls.append(config)
+        est = Estimator(task, device="cpu").estimate(config)
+        step = est.step_time_s
+        if len(calls) == 2 and noisy_once["left"]:
+            noisy_once["left"] = 0
+            step = est.step_time_s / 3
+        measured = replace(est, method="measured", step_time_s=step, samples_per_s=config.global_batch / step)
+        return ProbeResult(status="ok", estimate=measured, message="", overhead_s=0.0, wall_s=0.0)
+
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, probe_fn=fake_probe,
+                  precisions=["fp32"])
+    first, second = calls[0], calls[1]
+    assert calls[2:] == [second, first]  # the overturning pair, probed again
+    by_config = {e.config: e for e in plan.entries}
+    assert "mean of two probes" in by_config[second].measured.notes[-1]
+    assert any("ahead of the predicted best" in n for n in plan.notes)
+    # Means: the second is 2/3 of its predicted time, the first as predicted: the lead holds
+    # only if the prediction gap was under 1.5x.
+    expected = second if by_config[second].measured.step_time_s < by_config[first].measured.step_time_s else first
+    assert plan.best.config == expected
+
+    # Probes that agree with the prediction are believed at once.
+    calls.clear()
+    noisy_once["left"] = 0
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, probe_fn=fake_probe,
+                  precisions=["fp32"])
+    assert len(calls) == 2 and plan.best.config == calls[0]
