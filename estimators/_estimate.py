@@ -186,6 +186,11 @@ class Estimator:
         self._exact_shapes: set[tuple[Any, ...]] = set()
         # Traces of accumulation 1 derived from traces of accumulation 2, not yet prepared.
         self._derived: dict[tuple[Any, int], Trace] = {}
+        # A prefetch (see expect): traces queued in the worker (key -> ticket), those it sent
+        # back and not yet prepared, and this process's share, run while it waits.
+        self._pending: dict[tuple[Any, int], int] = {}
+        self._fetched: dict[tuple[Any, int], Trace] = {}
+        self._ahead: list[tuple[str, TrainConfig, int]] = []
 
     # -- public -----------------------------------------------------------------------
     def estimate(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
@@ -195,21 +200,109 @@ class Estimator:
         prepared, method = self._events(config, exact=exact)
         return self._replay(config, prepared, method)
 
-    def expect(self, configs: Iterable[TrainConfig]) -> None:
+    def expect(self, configs: Iterable[TrainConfig], *, prefetch: bool = False) -> None:
         """Say which configurations will be estimated. Batch scaling costs two or three anchor
         traces per shape (everything but the micro-batch size); a shape asked at no more than
         two micro-batch sizes is traced at its own sizes instead: as few traces or fewer, and
         exact. Accumulation 1 under a fixed global batch has one size, but its anchors come
-        free with those of accumulation 2 (``Trace.single_micro``): it is scaled when they are."""
+        free with those of accumulation 2 (``Trace.single_micro``): it is scaled when they are.
+
+        ``prefetch=True`` (every configuration will be asked) starts the traces they need
+        now, on both cores: a worker process gets a queue of fake traces, and this process
+        runs its share — the real CPU runs (batch 1, kernel workspaces) on a CPU target, half
+        the traces on a GPU target — while it waits for the worker's.
+        """
+        configs = list(configs)
         sizes: dict[tuple[Any, ...], set[int]] = {}
         for config in configs:
             sizes.setdefault(self._shape_key(config), set()).add(config.micro_batch_size)
         with self._lock:
             few = {key for key, batches in sizes.items()
                    if len({b for b in batches if b >= self._anchors[0]}) <= 2}
-            self._exact_shapes = {key for key in few
-                                  if not (key[0] == 1 and key[3] == "single" and (2, *key[1:]) in sizes
-                                          and (2, *key[1:]) not in few)}
+            self._exact_shapes = {key for key in few if not self._derivable(key, sizes, few)}
+            if prefetch:
+                self._prefetch(configs, sizes)
+
+    @staticmethod
+    def _derivable(key: tuple[Any, ...], sizes: Mapping[tuple[Any, ...], set[int]], few: set[tuple[Any, ...]]) -> bool:
+        """Do ``key``'s anchors come with the anchors of its accumulating sibling?"""
+        sibling = (2, *key[1:])
+        return key[0] == 1 and key[3] == "single" and sibling in sizes and sibling not in few
+
+    def _prefetch(self, configs: list[TrainConfig], sizes: Mapping[tuple[Any, ...], set[int]]) -> None:
+        if (self._data_dependent or self._worker_failed or not worker_available()
+                or (os.cpu_count() or 1) < 2):
+            return
+        fake: dict[tuple[Any, int], tuple[TrainConfig, int]] = {}
+        local: list[tuple[str, TrainConfig, int]] = []
+        planned: set[tuple[Any, ...]] = set()
+        fits: set[tuple[Any, ...]] = set()
+        first_scaled = self._affine is None
+        for config in configs:
+            key, b = self._shape_key(config), config.micro_batch_size
+            if key in self._exact_shapes or b < self._anchors[0]:
+                wanted = [b]
+            elif key in planned or self._derivable(key, sizes, set(self._exact_shapes)):
+                wanted = []
+            else:
+                wanted = list(self._anchors if first_scaled else (self._anchors[0], self._anchors[-1]))
+                first_scaled = False
+                planned.add(key)
+            for a in wanted:
+                if (key, a) in self._prepared or (key, a) in self._derived or (key, a) in fake:
+                    continue
+                if self.device == "cpu" and a < WORKSPACE_ANCHORS[0]:
+                    local.append(("trace", config, a))  # a real, profiled run (see _raw_trace)
+                else:
+                    fake[(key, a)] = (config, a)
+            if self.device == "cpu" and _workspace_key(config) not in fits:
+                fits.add(_workspace_key(config))
+                local.append(("workspace", config, 0))
+        queue = list(fake.items())
+        if len(queue) < 2:
+            return
+        # On a CPU target this process has the real runs to do; on a GPU target, half the traces.
+        remote = queue if self.device == "cpu" else queue[1::2]
+        mine = [] if self.device == "cpu" else [("trace", config, a) for _, (config, a) in queue[0::2]]
+        try:
+            if self._worker is None or not self._worker.alive():
+                self._worker = TraceWorker(self.task)
+            for key, (config, a) in remote:
+                self._pending[key] = self._worker.submit(config, a, self.device)
+        except Exception:  # noqa: BLE001 - no worker: trace alone
+            self._drop_worker()
+            return
+        self._ahead = mine + local
+
+    def _collect(self, key: tuple[Any, int]) -> None:
+        """Wait for the worker's trace of ``key``, running this process's share meanwhile."""
+        while key in self._pending:
+            worker = self._worker
+            if worker is None:
+                self._pending.clear()
+                return
+            if self._ahead and not worker.ready():
+                kind, config, b = self._ahead.pop(0)
+                try:
+                    if kind == "workspace":
+                        self._workspace_fit(config)
+                    else:
+                        self._trace(config, b)
+                except Exception:  # noqa: BLE001 - raised again, properly, when it is asked
+                    pass
+                continue
+            try:
+                ticket, payload = worker.next_result(timeout_s=max(120.0, 20 * self._last_fake_trace_s))
+            except WorkerDied:
+                self._drop_worker()
+                return
+            done = next((k for k, t in self._pending.items() if t == ticket), None)
+            if done is None:
+                continue
+            del self._pending[done]
+            if isinstance(payload, Trace) and payload.method == "traced":
+                self._fetched[done] = self._keep_derived(payload)
+            # A failure in the worker is traced again here, which raises it properly.
 
     def rates(self) -> DeviceRates:
         """The target's compute and memory rates (spec table for GPUs, measured for the CPU)."""
@@ -231,6 +324,8 @@ class Estimator:
         """Stop the trace worker, if one runs (a later trace starts it again when needed)."""
         with self._lock:
             worker, self._worker = self._worker, None
+            self._pending.clear()
+            self._ahead.clear()
             if worker is not None:
                 worker.close()
 
@@ -257,7 +352,10 @@ class Estimator:
         key = (self._shape_key(config), batch)
         with self._lock:
             if key not in self._prepared:
-                trace = self._derived.pop(key, None) or self._keep_derived(self._raw_trace(config, batch))
+                if key in self._pending:
+                    self._collect(key)
+                trace = (self._fetched.pop(key, None) or self._derived.pop(key, None)
+                         or self._keep_derived(self._raw_trace(config, batch)))
                 self._prepared[key] = self._prepare(trace)
             return self._prepared[key]
 
@@ -297,11 +395,7 @@ class Estimator:
         """
         if trace.op_workspace is not None:
             return trace.op_workspace, None
-        key = _workspace_key(trace.config)
-        with self._lock:
-            if key not in self._workspace_fits:
-                self._workspace_fits[key] = self._measure_workspace_fit(trace.config)
-            fit = self._workspace_fits[key]
+        fit = self._workspace_fit(trace.config)
         if fit is None:
             return None, "kernel workspaces not measured (small-batch CPU runs failed)"
         full = [0] * len(trace.ops)
@@ -332,6 +426,13 @@ class Estimator:
         if matched < 0.9 * max(total, 1) or size_gap > 0.01 * max(real_new, 1):
             return None, _DIVERGED
         return full, None
+
+    def _workspace_fit(self, config: TrainConfig) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]] | None:
+        key = _workspace_key(config)
+        with self._lock:
+            if key not in self._workspace_fits:
+                self._workspace_fits[key] = self._measure_workspace_fit(config)
+            return self._workspace_fits[key]
 
     def _measure_workspace_fit(self, config: TrainConfig) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]] | None:
         if config.strategy == "single":
@@ -507,8 +608,10 @@ class Estimator:
     def _trace_in_parallel(self, config: TrainConfig, batches: Sequence[int]) -> None:
         """Trace the last missing batch size in the worker process while this one traces
         the others, when traces of this model take long enough to be worth a second core."""
+        if self._pending:
+            return  # a prefetch is in flight: its queue has the anchors, or this process traces them
         shape_key = self._shape_key(config)
-        missing = [b for b in batches if (shape_key, b) not in self._prepared and (shape_key, b) not in self._derived]
+        missing = [b for b in batches if not any((shape_key, b) in d for d in (self._prepared, self._derived, self._fetched))]
         if len(missing) >= 2 and self._last_fake_trace_s == 0.0 and not self._data_dependent:
             # The model's first trace says how long its traces take.
             self._trace(config, missing.pop(0))

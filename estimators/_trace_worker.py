@@ -3,7 +3,9 @@
 Batch scaling needs two traces of every precision and checkpointing a search visits (three
 for the first), and a fake trace is single-threaded Python: on a large model each takes
 seconds, and a second core sits idle. The estimator hands one anchor of a pair to this
-worker and traces the other itself.
+worker and traces the other itself; when a search says up front which configurations it
+will ask (``Estimator.expect``), the worker gets a queue of fake traces while this process
+runs the real CPU runs and its share of the traces.
 
 The worker is forked, so it inherits the task (a model file's functions, an in-memory
 module) without pickling it, and the warm dispatch caches; it runs fake tensors only, on one
@@ -14,8 +16,11 @@ exception comes back. Where ``fork`` is not available the estimator traces alone
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -37,40 +42,74 @@ class WorkerDied(RuntimeError):
 
 
 class TraceWorker:
-    """One forked process answering ``trace_step`` requests for one task, one at a time."""
+    """One forked process answering ``trace_step`` requests for one task, in order.
+
+    Requests may queue: the worker traces them one after another and writes each trace to a
+    file (a trace is hundreds of kilobytes, more than a pipe holds: sent through the pipe,
+    the worker would wait for this process to read it before starting the next one).
+    """
 
     def __init__(self, task: Task) -> None:
         ctx = multiprocessing.get_context("fork")
+        self._dir = tempfile.mkdtemp(prefix="memplan-trace-")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(task, child), name="memplan-trace", daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(task, child, self._dir), name="memplan-trace", daemon=True)
         self._proc.start()
         child.close()
-        self._busy = False
+        self._next_ticket = 0
+        self._queued: list[int] = []
 
-    def submit(self, config: TrainConfig, batch_size: int, target: str) -> None:
-        if self._busy:
-            raise RuntimeError("the trace worker runs one request at a time")
+    @property
+    def pending(self) -> int:
+        return len(self._queued)
+
+    def submit(self, config: TrainConfig, batch_size: int, target: str) -> int:
+        """Queue a trace; returns its ticket (results come back in ticket order)."""
+        ticket = self._next_ticket
         try:
-            self._conn.send((config, batch_size, target))
+            self._conn.send((ticket, config, batch_size, target))
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise WorkerDied(str(exc)) from exc
-        self._busy = True
+        self._next_ticket += 1
+        self._queued.append(ticket)
+        return ticket
 
-    def result(self, timeout_s: float) -> Trace:
-        """The submitted trace; its exception re-raised, or :class:`WorkerDied` (also when
-        nothing came within ``timeout_s``: a worker stuck after the fork is killed)."""
+    def ready(self) -> bool:
+        """Has the oldest queued trace come back (or the worker died)?"""
+        try:
+            return bool(self._queued) and self._conn.poll(0)
+        except (EOFError, OSError):
+            return True
+
+    def next_result(self, timeout_s: float) -> tuple[int, Any]:
+        """The oldest queued request's ticket and its trace, or the exception it raised.
+        :class:`WorkerDied` when the worker exited, or sent nothing within ``timeout_s``
+        (a worker stuck after the fork is killed)."""
+        if not self._queued:
+            raise RuntimeError("no trace was requested")
         try:
             if not self._conn.poll(timeout_s):
                 self._proc.kill()
                 raise WorkerDied(f"no trace from the worker within {timeout_s:.0f} s")
-            message = self._conn.recv()
+            ticket, kind, payload = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise WorkerDied(f"trace worker exited ({self._proc.exitcode})") from exc
-        finally:
-            self._busy = False
-        if isinstance(message, BaseException):
-            raise message
-        return message
+        self._queued.remove(ticket)
+        if kind == "file":
+            path = payload
+            try:
+                with open(path, "rb") as f:
+                    payload = pickle.load(f)
+            finally:
+                os.unlink(path)
+        return ticket, payload
+
+    def result(self, timeout_s: float) -> Trace:
+        """The oldest queued trace; its exception re-raised."""
+        _ticket, payload = self.next_result(timeout_s)
+        if isinstance(payload, BaseException):
+            raise payload
+        return payload
 
     def alive(self) -> bool:
         return self._proc.is_alive()
@@ -85,9 +124,11 @@ class TraceWorker:
             self._proc.kill()
             self._proc.join(timeout=5)
         self._conn.close()
+        self._queued.clear()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _serve(task: Task, conn: Any) -> None:
+def _serve(task: Task, conn: Any, directory: str) -> None:
     torch.set_num_threads(1)
     while True:
         try:
@@ -96,14 +137,19 @@ def _serve(task: Task, conn: Any) -> None:
             return
         if request is None:
             return
-        config, batch_size, target = request
+        ticket, config, batch_size, target = request
         try:
-            out: Any = trace_step(task, config, batch_size=batch_size, target=target)
+            trace = trace_step(task, config, batch_size=batch_size, target=target)
+            path = os.path.join(directory, f"{ticket}.pkl")
+            with open(path + ".tmp", "wb") as f:
+                pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(path + ".tmp", path)
+            message: tuple[int, str, Any] = (ticket, "file", path)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-            out = exc
+            message = (ticket, "error", exc)
         try:
-            conn.send(out)
+            conn.send(message)
         except (pickle.PicklingError, TypeError, AttributeError):
-            conn.send(RuntimeError(f"{type(out).__name__}: {out}"))
+            conn.send((ticket, "error", RuntimeError(f"{type(message[2]).__name__}: {message[2]}")))
         except (BrokenPipeError, OSError):
             return

@@ -200,7 +200,6 @@ def search(
         prestart()
 
     cache: dict[TrainConfig, Estimate] = {}
-    estimator.expect(space)
 
     def evaluate(config: TrainConfig) -> Estimate:
         if config not in cache:
@@ -243,6 +242,8 @@ def search(
         return float(est.samples_per_s or 0.0)
 
     remaining = max(0, min(trials, len(space)) - len([c for c in done if c in set(space)]))
+    # An enumerated space asks every configuration: its traces start now, on both cores.
+    estimator.expect(space, prefetch=exhaustive and remaining > 0)
     interrupted = False
     if remaining:
         try:

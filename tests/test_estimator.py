@@ -336,3 +336,36 @@ def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
     alone.expect(space[-1:])
     calls.clear()
     assert alone.estimate(space[-1]).method == "traced" and calls == [(1, 12)]
+
+
+@pytest.mark.parametrize("device,gpu", [("cuda", "A100-80GB"), ("cpu", None)])
+def test_prefetched_space_estimates_as_traced_alone(device, gpu):
+    from estimators._trace_worker import worker_available
+    assert worker_available()
+    space = [TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m, precision=p, checkpoint_segments=s)
+             for m in (1, 2, 4, 8) for p in ("fp32", "bf16-mixed") for s in (0, 2)]
+    prefetched = Estimator(lm_task(), device=device, gpu=gpu)
+    prefetched.expect(space, prefetch=True)
+    assert prefetched._pending and prefetched._worker is not None  # the worker has a queue
+    got = [prefetched.estimate(c) for c in space]
+    assert not prefetched._pending
+    prefetched.close()
+    alone = Estimator(lm_task(), device=device, gpu=gpu)
+    alone.expect(space)
+    for config, estimate in zip(space, got):
+        ref = alone.estimate(config)
+        assert (estimate.peak_bytes, estimate.breakdown, estimate.step_time_s, estimate.method) == \
+            (ref.peak_bytes, ref.breakdown, ref.step_time_s, ref.method), config
+
+
+def test_prefetch_survives_its_worker_dying():
+    space = [TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m, checkpoint_segments=s)
+             for m in (1, 2, 4, 8) for s in (0, 2)]
+    estimator = Estimator(lm_task(), gpu="A100-80GB")
+    estimator.expect(space, prefetch=True)
+    assert estimator._worker is not None
+    estimator._worker._proc.kill()
+    got = [estimator.estimate(c) for c in space]
+    assert estimator._worker is None and estimator._worker_failed and not estimator._pending
+    alone = Estimator(lm_task(), gpu="A100-80GB")
+    assert [g.peak_bytes for g in got] == [alone.estimate(c).peak_bytes for c in space]
