@@ -221,7 +221,7 @@ class Estimator:
                    if len({b for b in batches if b >= self._anchors[0]}) <= 2}
             self._exact_shapes = {key for key in few if not self._derivable(key, sizes, few)}
             if prefetch:
-                self._prefetch(configs, sizes)
+                self._prefetch(configs, sizes, few)
 
     @staticmethod
     def _derivable(key: tuple[Any, ...], sizes: Mapping[tuple[Any, ...], set[int]], few: set[tuple[Any, ...]]) -> bool:
@@ -229,7 +229,8 @@ class Estimator:
         sibling = (2, *key[1:])
         return key[0] == 1 and key[3] == "single" and sibling in sizes and sibling not in few
 
-    def _prefetch(self, configs: list[TrainConfig], sizes: Mapping[tuple[Any, ...], set[int]]) -> None:
+    def _prefetch(self, configs: list[TrainConfig], sizes: Mapping[tuple[Any, ...], set[int]],
+                  few: set[tuple[Any, ...]]) -> None:
         if (self._data_dependent or self._worker_failed or not worker_available()
                 or (os.cpu_count() or 1) < 2):
             return
@@ -242,14 +243,14 @@ class Estimator:
             key, b = self._shape_key(config), config.micro_batch_size
             if key in self._exact_shapes or b < self._anchors[0]:
                 wanted = [b]
-            elif key in planned or self._derivable(key, sizes, set(self._exact_shapes)):
+            elif key in planned or self._derivable(key, sizes, few):
                 wanted = []
             else:
                 wanted = list(self._anchors if first_scaled else (self._anchors[0], self._anchors[-1]))
                 first_scaled = False
                 planned.add(key)
             for a in wanted:
-                if (key, a) in self._prepared or (key, a) in self._derived or (key, a) in fake:
+                if self._have((key, a)) or (key, a) in fake:
                     continue
                 if self.device == "cpu" and a < WORKSPACE_ANCHORS[0]:
                     local.append(("trace", config, a))  # a real, profiled run (see _raw_trace)
@@ -358,6 +359,10 @@ class Estimator:
                          or self._keep_derived(self._raw_trace(config, batch)))
                 self._prepared[key] = self._prepare(trace)
             return self._prepared[key]
+
+    def _have(self, key: tuple[Any, int]) -> bool:
+        """Is the trace of ``key`` here, prepared or waiting to be (derived, or from the worker)?"""
+        return key in self._prepared or key in self._derived or key in self._fetched
 
     def _keep_derived(self, trace: Trace) -> Trace:
         """Keep the accumulation-1 trace derived from ``trace``, for when it is asked."""
@@ -611,7 +616,7 @@ class Estimator:
         if self._pending:
             return  # a prefetch is in flight: its queue has the anchors, or this process traces them
         shape_key = self._shape_key(config)
-        missing = [b for b in batches if not any((shape_key, b) in d for d in (self._prepared, self._derived, self._fetched))]
+        missing = [b for b in batches if not self._have((shape_key, b))]
         if len(missing) >= 2 and self._last_fake_trace_s == 0.0 and not self._data_dependent:
             # The model's first trace says how long its traces take.
             self._trace(config, missing.pop(0))

@@ -59,10 +59,6 @@ class TraceWorker:
         self._next_ticket = 0
         self._queued: list[int] = []
 
-    @property
-    def pending(self) -> int:
-        return len(self._queued)
-
     def submit(self, config: TrainConfig, batch_size: int, target: str) -> int:
         """Queue a trace; returns its ticket (results come back in ticket order)."""
         ticket = self._next_ticket

@@ -235,7 +235,7 @@ def search(
         segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
         config = space.config(int(micro), str(precision), int(segments), str(layout))
         est = evaluate(config)
-        need = est.peak_bytes + est.context_bytes
+        need = _need(est)
         trial.set_user_attr("estimate", est.to_dict())
         # Constraint in GB keeps the numbers readable in optuna-dashboard; <= 0 is feasible.
         trial.set_constraint("memory", (need - limit) / 1e9)
@@ -254,7 +254,7 @@ def search(
             estimator.close()  # its trace worker, if a large model started one
 
     estimates = [e for c, e in cache.items() if c in set(space)]
-    feasible = [e for e in estimates if e.peak_bytes + e.context_bytes <= limit]
+    feasible = [e for e in estimates if _need(e) <= limit]
     if not feasible:
         raise _no_fit(estimates, budget, limit, estimator)
     # Equal predictions (checkpointing a block whose backward needs only its inputs costs
@@ -283,6 +283,11 @@ def search(
                               source_hash=task.source_hash, source_path=task.source_path),
         notes=tuple(notes),
     )
+
+
+def _need(estimate: Estimate) -> int:
+    """The memory a configuration needs against the budget: its peak and the CUDA context."""
+    return estimate.peak_bytes + estimate.context_bytes
 
 
 def _layout_key(config: TrainConfig) -> str:
@@ -325,7 +330,7 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             measured: Estimate = result.estimate
             if measured.step_time_s:
                 estimator.calibrate(entry.config, measured.step_time_s)
-            if measured.peak_bytes + measured.context_bytes > limit:
+            if _need(measured) > limit:
                 notes.append(f"{entry.config.describe()}: measured {format_size(measured.peak_bytes)} is over the budget; dropped")
                 continue
             probed.append(PlanEntry(config=entry.config, predicted=entry.predicted, measured=measured, probe_status="ok"))
@@ -381,8 +386,8 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
             continue
         estimator.calibrate(entry.config, second.step_time_s)
         step = (first.step_time_s + second.step_time_s) / 2
-        higher = max((first, second), key=lambda m: m.peak_bytes + m.context_bytes)
-        if higher.peak_bytes + higher.context_bytes > limit:
+        higher = max((first, second), key=_need)
+        if _need(higher) > limit:
             notes.append(f"{entry.config.describe()}: measured {format_size(higher.peak_bytes)} is over the budget; dropped")
             confirmed[entry.config] = None
             continue
@@ -412,7 +417,7 @@ def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:
     distinct: list[PlanEntry] = []
     twins: list[PlanEntry] = []
     for e in entries:
-        key = (e.predicted.step_time_s, e.predicted.peak_bytes + e.predicted.context_bytes)
+        key = (e.predicted.step_time_s, _need(e.predicted))
         (twins if key in seen_estimates else distinct).append(e)
         seen_estimates.add(key)
     first: list[PlanEntry] = [distinct[0]]
@@ -425,8 +430,8 @@ def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:
 
 
 def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:
-    nearest = min(estimates, key=lambda e: e.peak_bytes + e.context_bytes)
-    need = nearest.peak_bytes + nearest.context_bytes
+    nearest = min(estimates, key=_need)
+    need = _need(nearest)
     parts = sorted(nearest.breakdown.items(), key=lambda kv: -kv[1])
     detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts if v > 0)
     if nearest.context_bytes:

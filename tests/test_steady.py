@@ -50,6 +50,17 @@ def _events(trace: Trace) -> list[tuple[int, int, int, str]]:
     return out
 
 
+def _assert_same_step(derived: Trace, traced: Trace) -> None:
+    """A derived trace against a traced one: phases, events, ops and where each op ends."""
+    assert derived.phase_labels == traced.phase_labels
+    assert _events(derived) == _events(traced)
+    assert [(op.name, op.phase, op.flops, op.bytes_moved) for op in derived.ops] == \
+        [(op.name, op.phase, op.flops, op.bytes_moved) for op in traced.ops]
+    # Each op's position: the same count of events before it.
+    assert derived.op_positions == traced.op_positions
+    assert len(derived.host_allocs) == len(traced.host_allocs)
+
+
 @pytest.mark.parametrize("factory", [lm_task, cnn_task, lazy_task], ids=["lm", "cnn", "lazy"])
 @pytest.mark.parametrize("config", [
     TrainConfig(micro_batch_size=4),
@@ -62,13 +73,7 @@ def test_derived_second_step_equals_a_traced_one(factory, config, one_thread):
         config = config.replace(checkpoint_segments=0)
     traced = trace_step(task, config, synthesize=False)
     derived = trace_step(task, config)
-    assert derived.phase_labels == traced.phase_labels
-    assert _events(derived) == _events(traced)
-    assert [(op.name, op.phase, op.flops, op.bytes_moved) for op in derived.ops] == \
-        [(op.name, op.phase, op.flops, op.bytes_moved) for op in traced.ops]
-    # Each op's position: the same count of events before it.
-    assert derived.op_positions == traced.op_positions
-    assert len(derived.host_allocs) == len(traced.host_allocs)
+    _assert_same_step(derived, traced)
 
 
 @pytest.mark.parametrize("factory", [lm_task, cnn_task, lazy_task], ids=["lm", "cnn", "lazy"])
@@ -85,13 +90,8 @@ def test_step_without_accumulation_derived_from_an_accumulating_one(factory, con
     derived = accumulating.single_micro
     traced = trace_step(task, config.replace(grad_accum_steps=1))
     assert derived is not None and derived.config == traced.config and derived.batch_size == traced.batch_size
-    assert derived.phase_labels == traced.phase_labels
-    assert _events(derived) == _events(traced)
-    assert [(op.name, op.phase, op.flops, op.bytes_moved) for op in derived.ops] == \
-        [(op.name, op.phase, op.flops, op.bytes_moved) for op in traced.ops]
-    assert derived.op_positions == traced.op_positions
+    _assert_same_step(derived, traced)
     assert len(derived.alloc_bytes) == len(traced.alloc_bytes)
-    assert len(derived.host_allocs) == len(traced.host_allocs)
     # Nothing is derived where the first micro-batch is all there is, or from real runs.
     assert traced.single_micro is None
     assert trace_step(task, config, real=True).single_micro is None
