@@ -42,6 +42,8 @@ class RawEvents:
     ops: list[Any]
     op_positions: list[int]
     host: list[int]
+    op_workspace: list[int] | None = None
+    """Per op: scratch bytes measured by a profiled real run (None for fake traces)."""
 
 
 def repeat_first_step(raw: RawEvents) -> RawEvents:
@@ -97,17 +99,24 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
 
     # Ops: step 1's again, less those that only created surviving state.
     ops_before, pos_before, ops_step2, pos_step2, ops_after, pos_after = [], [], [], [], [], []
-    for op, pos in zip(raw.ops, raw.op_positions):
+    src_before, src_step2, src_after = [], [], []  # each op's index in ``raw.ops``
+    for k, (op, pos) in enumerate(zip(raw.ops, raw.op_positions)):
         if op.phase <= last:
             ops_before.append(op)
             pos_before.append(pos)
+            src_before.append(k)
         if first <= op.phase <= last:
             if not _only_made(raw, op.new_bytes, pos, survivors):
                 ops_step2.append(replace(op, phase=op.phase + shift))
                 pos_step2.append(n_before_end + copied_before[pos])
+                src_step2.append(k)
         elif op.phase > last:
             ops_after.append(replace(op, phase=op.phase + shift))
             pos_after.append(pos + n_copied)
+            src_after.append(k)
+    workspace = raw.op_workspace
+    if workspace is not None:
+        workspace = [workspace[k] for k in src_before + src_step2 + src_after]
     return RawEvents(
         alloc_bytes=alloc_bytes,
         alloc_category=alloc_category,
@@ -118,6 +127,7 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
         ops=ops_before + ops_step2 + ops_after,
         op_positions=pos_before + pos_step2 + pos_after,
         host=sorted(host),
+        op_workspace=workspace,
     )
 
 
@@ -178,11 +188,12 @@ def drop_second_micro(raw: RawEvents) -> RawEvents | None:
             out_alloc.append(new_alloc[a])
             out_sign.append(s)
             out_phase.append(new_phase[ph])
-    ops, positions = [], []
-    for op, pos in zip(raw.ops, raw.op_positions):
+    ops, positions, kept_ops = [], [], []
+    for k, (op, pos) in enumerate(zip(raw.ops, raw.op_positions)):
         if op.phase not in second:
             ops.append(replace(op, phase=new_phase[op.phase]))
             positions.append(pos - dropped_before[pos])
+            kept_ops.append(k)
     return RawEvents(
         alloc_bytes=[raw.alloc_bytes[a] for a in kept_allocs],
         alloc_category=[raw.alloc_category[a] for a in kept_allocs],
@@ -193,4 +204,5 @@ def drop_second_micro(raw: RawEvents) -> RawEvents | None:
         ops=ops,
         op_positions=positions,
         host=sorted(new_alloc[a] for a in raw.host if a in new_alloc),
+        op_workspace=None if raw.op_workspace is None else [raw.op_workspace[k] for k in kept_ops],
     )

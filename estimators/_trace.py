@@ -398,6 +398,7 @@ def trace_step(
     profile: bool = False,
     steps: int = 2,
     synthesize: bool = True,
+    derive_real: bool = False,
     target: str = "cpu",
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
@@ -412,7 +413,9 @@ def trace_step(
 
     A two-step fake trace of a one-device configuration traces step 1 and derives step 2
     from it (:mod:`estimators._steady`), halving the dispatch time; ``synthesize=False``
-    traces both.
+    traces both. A real run steps through real batches, whose shapes may depend on their
+    values: it runs both steps unless ``derive_real=True`` says the model's shapes do not
+    (its fake trace succeeded), which halves a profiled run too.
 
     ``target`` is the device type the estimate is for: on ``"cuda"`` the optimizer runs its
     multi-tensor (foreach) implementation, as PyTorch's optimizers default to there.
@@ -426,14 +429,14 @@ def trace_step(
     ranks = (_distributed.simulated_ranks(config.world_size) if config.strategy != "single"
              else contextlib.nullcontext())
     with ranks:
-        return _trace_step(task, config, b, real=real, profile=profile, steps=steps, synthesize=synthesize,
-                           foreach=target == "cuda")
+        return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
+                           synthesize=synthesize and (derive_real or not real), foreach=target == "cuda")
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
                 synthesize: bool, foreach: bool) -> Trace:
     # One device on fake tensors: trace one step and derive the later ones (see _steady).
-    derive = synthesize and not real and config.strategy == "single" and steps == 2
+    derive = synthesize and config.strategy == "single" and steps == 2
     traced_steps = 1 if derive else steps
     mode = contextlib.nullcontext() if real else _fake_mode()
     if real:
@@ -488,19 +491,25 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         del model
     # Whatever is still alive at the end (params, buffers, optimizer state) is released at
     # the end of the trace's lifetime; that is not part of the step, so no events are added.
-    raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc, rec.event_sign, rec.event_phase,
-                    phase_labels, rec.ops, rec.op_positions, rec.host)
-    workspace = _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None
+    # Frees recorded after the last step are dropped too: the garbage collector decides
+    # which of those land before recording stops, and traces to be compared must not differ
+    # by its timing.
+    end = len(phase_labels) - 1
+    kept = next((k for k, ph in enumerate(rec.event_phase) if ph >= end), len(rec.event_phase))
+    raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc[:kept], rec.event_sign[:kept],
+                    rec.event_phase[:kept], phase_labels, rec.ops, rec.op_positions, rec.host,
+                    _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None)
+    method = "measured-cpu" if real else "traced"
     if not derive:
-        return _as_trace(raw, config, b, "measured-cpu" if real else "traced", workspace)
+        return _as_trace(raw, config, b, method)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
-    trace = _as_trace(repeat_first_step(raw), config, b, "traced", workspace)
+    trace = _as_trace(repeat_first_step(raw), config, b, method)
     if single is not None:
-        trace.single_micro = _as_trace(repeat_first_step(single), config.replace(grad_accum_steps=1), b, "traced", None)
+        trace.single_micro = _as_trace(repeat_first_step(single), config.replace(grad_accum_steps=1), b, method)
     return trace
 
 
-def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, workspace: list[int] | None) -> Trace:
+def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str) -> Trace:
     event_alloc, event_phase = _canonical_free_order(raw.event_alloc, raw.event_sign, raw.event_phase)
     return Trace(
         batch_size=b,
@@ -514,7 +523,7 @@ def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, workspac
         ops=raw.ops,
         method=method,
         op_positions=raw.op_positions,
-        op_workspace=workspace,
+        op_workspace=raw.op_workspace,
         host_allocs=np.asarray(sorted(set(raw.host)), dtype=np.int64),
     )
 

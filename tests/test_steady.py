@@ -97,6 +97,29 @@ def test_step_without_accumulation_derived_from_an_accumulating_one(factory, con
     assert trace_step(task, config, real=True).single_micro is None
 
 
+@pytest.mark.parametrize("factory", [lm_task, cnn_task, lazy_task], ids=["lm", "cnn", "lazy"])
+@pytest.mark.parametrize("config", [
+    TrainConfig(micro_batch_size=1, grad_accum_steps=4),
+    TrainConfig(micro_batch_size=1, precision="bf16-mixed", checkpoint_segments=2),
+], ids=["accum", "bf16-ckpt"])
+def test_a_real_run_told_its_shapes_are_static_derives_its_second_step(factory, config, one_thread):
+    task = factory()
+    if config.checkpoint_segments and factory is lazy_task:
+        config = config.replace(checkpoint_segments=0)
+    ran = trace_step(task, config, real=True, profile=True)
+    derived = trace_step(task, config, real=True, profile=True, derive_real=True)
+    assert derived.method == ran.method == "measured-cpu"
+    _assert_same_step(derived, ran)
+    # Each op keeps its measured scratch bytes through the derivation.
+    assert derived.op_workspace is not None and ran.op_workspace is not None
+    assert [w for op, w in zip(derived.ops, derived.op_workspace) if op.significant] == \
+        [w for op, w in zip(ran.ops, ran.op_workspace) if op.significant]
+    if config.grad_accum_steps > 1:
+        single = derived.single_micro
+        assert single is not None and single.op_workspace is not None
+        _assert_same_step(single, trace_step(task, config.replace(grad_accum_steps=1), real=True))
+
+
 def test_second_micro_batch_that_leaks_is_not_dropped():
     import dataclasses
 
