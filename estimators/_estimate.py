@@ -16,12 +16,11 @@ model (``max_memory_reserved``), with the cuBLAS workspace added as its own allo
 
 from __future__ import annotations
 
-import difflib
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +35,8 @@ from ._task import Task
 from ._timing import DeviceRates, OpCosts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts
 from ._trace import Category, DataDependentShapes, Trace, trace_step
 from ._trace_worker import TraceWorker, WorkerDied, worker_available
+from ._workspace import (WORKSPACE_ANCHORS, WorkspaceFit, aligned_workspaces, borrowed_workspaces, fit_key,
+                         measure_fit, reference_config)
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
 
@@ -55,8 +56,6 @@ batch 1 is an anchor and needs no trace of its own. A model that cannot train at
 PARALLEL_TRACE_S = 1.0
 """Fake traces taking at least this long share batch-scaling anchors with a worker process."""
 
-WORKSPACE_ANCHORS = (2, 4)
-"""Batch sizes of the real, profiled CPU runs that measure kernel workspaces."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,12 +174,13 @@ class Estimator:
         self._data_dependent = False
         self._lock = threading.RLock()
         self._facts: _ModelFacts | None = None
-        self._workspace_fits: dict[Any, Any] = {}
+        self._workspace_fits: dict[tuple[Any, ...], WorkspaceFit | None] = {}
         self._affine: bool | None = None  # are allocation sizes affine in the batch size?
         self._anchors = CUDA_ANCHORS if self.device == "cuda" else ANCHORS
         self._worker: TraceWorker | None = None
         self._worker_failed = False
         self._last_fake_trace_s = 0.0
+        self._fake_traced = False  # a fake trace succeeded: shapes follow sizes, not values
         self._rates: DeviceRates | None = None
         self._calibration = TimeCalibration()
         self._exact_shapes: set[tuple[Any, ...]] = set()
@@ -189,8 +189,11 @@ class Estimator:
         # A prefetch (see expect): traces queued in the worker (key -> ticket), those it sent
         # back and not yet prepared, and this process's share, run while it waits.
         self._pending: dict[tuple[Any, int], int] = {}
+        self._queue: list[tuple[tuple[Any, int], TrainConfig, int]] = []  # fake traces not yet handed out
         self._fetched: dict[tuple[Any, int], Trace] = {}
         self._ahead: list[tuple[str, TrainConfig, int]] = []
+        # The configuration whose three anchors the prefetch traces to check affinity.
+        self._affinity_check: TrainConfig | None = None
 
     # -- public -----------------------------------------------------------------------
     def estimate(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
@@ -208,9 +211,9 @@ class Estimator:
         free with those of accumulation 2 (``Trace.single_micro``): it is scaled when they are.
 
         ``prefetch=True`` (every configuration will be asked) starts the traces they need
-        now, on both cores: a worker process gets a queue of fake traces, and this process
-        runs its share — the real CPU runs (batch 1, kernel workspaces) on a CPU target, half
-        the traces on a GPU target — while it waits for the worker's.
+        now, on both cores: a worker process and this one share a queue of fake traces. This
+        process first runs its own share, the real CPU runs (batch 1, kernel workspaces) of a
+        CPU target, then takes traces from the queue's end whenever it waits for the worker.
         """
         configs = list(configs)
         sizes: dict[tuple[Any, ...], set[int]] = {}
@@ -235,6 +238,7 @@ class Estimator:
                 or (os.cpu_count() or 1) < 2):
             return
         fake: dict[tuple[Any, int], tuple[TrainConfig, int]] = {}
+        # On a CPU target the real runs are this process's own share.
         local: list[tuple[str, TrainConfig, int]] = []
         planned: set[tuple[Any, ...]] = set()
         fits: set[tuple[Any, ...]] = set()
@@ -247,6 +251,8 @@ class Estimator:
                 wanted = []
             else:
                 wanted = list(self._anchors if first_scaled else (self._anchors[0], self._anchors[-1]))
+                if first_scaled:
+                    self._affinity_check = config  # see _scaling_for
                 first_scaled = False
                 planned.add(key)
             for a in wanted:
@@ -256,54 +262,78 @@ class Estimator:
                     local.append(("trace", config, a))  # a real, profiled run (see _raw_trace)
                 else:
                     fake[(key, a)] = (config, a)
-            if self.device == "cpu" and _workspace_key(config) not in fits:
-                fits.add(_workspace_key(config))
-                local.append(("workspace", config, 0))
-        queue = list(fake.items())
-        if len(queue) < 2:
+            fitted = reference_config(config) or config
+            if self.device == "cpu" and fit_key(fitted) not in fits:
+                fits.add(fit_key(fitted))
+                local.append(("workspace", fitted, 0))
+        if len(fake) < 2:
             return
-        # On a CPU target this process has the real runs to do; on a GPU target, half the traces.
-        remote = queue if self.device == "cpu" else queue[1::2]
-        mine = [] if self.device == "cpu" else [("trace", config, a) for _, (config, a) in queue[0::2]]
         try:
             if self._worker is None or not self._worker.alive():
                 self._worker = TraceWorker(self.task)
-            for key, (config, a) in remote:
-                self._pending[key] = self._worker.submit(config, a, self.device)
         except Exception:  # noqa: BLE001 - no worker: trace alone
             self._drop_worker()
             return
-        self._ahead = mine + local
+        self._queue = [(key, config, a) for key, (config, a) in fake.items()]
+        # Workspace fits first: the small real runs halve once the worker's first trace is back.
+        self._ahead = sorted(local, key=lambda item: item[0] != "workspace")
+        self._top_up()
 
-    def _collect(self, key: tuple[Any, int]) -> None:
-        """Wait for the worker's trace of ``key``, running this process's share meanwhile."""
-        while key in self._pending:
+    def _top_up(self) -> None:
+        """Keep the worker two traces ahead; the rest of the queue waits for whichever
+        process is free first (this one takes from its end)."""
+        while self._queue and self._worker is not None and len(self._pending) < 2:
+            key, config, a = self._queue.pop(0)
+            try:
+                self._pending[key] = self._worker.submit(config, a, self.device)
+            except Exception:  # noqa: BLE001 - the worker is gone: this process traces alone
+                self._drop_worker()
+
+    def _collect(self, done: Callable[[], bool]) -> None:
+        """Take the worker's traces until ``done()``, doing this process's share meanwhile:
+        its real runs, then fake traces from the end of the queue."""
+        while self._pending and not done():
             worker = self._worker
             if worker is None:
                 self._pending.clear()
                 return
-            if self._ahead and not worker.ready():
-                kind, config, b = self._ahead.pop(0)
-                try:
-                    if kind == "workspace":
-                        self._workspace_fit(config)
-                    else:
-                        self._trace(config, b)
-                except Exception:  # noqa: BLE001 - raised again, properly, when it is asked
-                    pass
-                continue
+            if not worker.ready():
+                # A small real run halves once a fake trace has come back (see _raw_trace):
+                # the first is worth a short wait.
+                wait = self._ahead and self._ahead[0][0] == "trace" and self.device == "cpu" and not self._fake_traced
+                if self._ahead and not wait:
+                    kind, config, b = self._ahead.pop(0)
+                    try:
+                        if kind == "workspace":
+                            self._workspace_fit(config)
+                        else:
+                            self._trace(config, b)
+                    except Exception:  # noqa: BLE001 - raised again, properly, when it is asked
+                        pass
+                    continue
+                if self._queue and not self._ahead:
+                    # Kept as the worker's traces are (prepared when asked), so that an
+                    # estimate does not depend on which process traced what.
+                    key, config, b = self._queue.pop()
+                    try:
+                        self._fetched[key] = self._keep_derived(self._raw_trace(config, b))
+                    except Exception:  # noqa: BLE001 - raised again, properly, when it is asked
+                        pass
+                    continue
             try:
                 ticket, payload = worker.next_result(timeout_s=max(120.0, 20 * self._last_fake_trace_s))
             except WorkerDied:
                 self._drop_worker()
                 return
-            done = next((k for k, t in self._pending.items() if t == ticket), None)
-            if done is None:
+            arrived = next((k for k, t in self._pending.items() if t == ticket), None)
+            if arrived is None:
                 continue
-            del self._pending[done]
+            del self._pending[arrived]
             if isinstance(payload, Trace) and payload.method == "traced":
-                self._fetched[done] = self._keep_derived(payload)
+                self._fetched[arrived] = self._keep_derived(payload)
+                self._fake_traced = True
             # A failure in the worker is traced again here, which raises it properly.
+            self._top_up()
 
     def rates(self) -> DeviceRates:
         """The target's compute and memory rates (spec table for GPUs, measured for the CPU)."""
@@ -326,6 +356,7 @@ class Estimator:
         with self._lock:
             worker, self._worker = self._worker, None
             self._pending.clear()
+            self._queue.clear()
             self._ahead.clear()
             if worker is not None:
                 worker.close()
@@ -353,8 +384,13 @@ class Estimator:
         key = (self._shape_key(config), batch)
         with self._lock:
             if key not in self._prepared:
+                # Asked before the worker took it: traced here (and off the shared queue).
+                self._queue = [item for item in self._queue if item[0] != key]
                 if key in self._pending:
-                    self._collect(key)
+                    self._collect(lambda: key not in self._pending)
+                elif self.device == "cpu" and batch < WORKSPACE_ANCHORS[0] and not self._fake_traced:
+                    # A small real run halves once a fake trace has come back (_raw_trace).
+                    self._collect(lambda: self._fake_traced)
                 trace = (self._fetched.pop(key, None) or self._derived.pop(key, None)
                          or self._keep_derived(self._raw_trace(config, batch)))
                 self._prepared[key] = self._prepare(trace)
@@ -376,13 +412,16 @@ class Estimator:
         if self.device == "cpu" and batch < WORKSPACE_ANCHORS[0]:
             # Kernels pick other algorithms below the batch sizes whose workspaces were
             # measured (oneDNN skips its weight reorders at batch 1): a real, profiled run of
-            # such a small batch is cheap and exact.
-            return trace_step(self.task, config, batch_size=batch, real=True, profile=True)
+            # such a small batch is cheap and exact; one step of it, once fake tracing has
+            # shown that the model's shapes do not depend on its data.
+            return trace_step(self.task, config, batch_size=batch, real=True, profile=True,
+                              derive_real=self._fake_traced)
         if not self._data_dependent:
             try:
                 start = time.perf_counter()
                 trace = trace_step(self.task, config, batch_size=batch, target=self.device)
                 self._last_fake_trace_s = time.perf_counter() - start
+                self._fake_traced = True
                 return trace
             except DataDependentShapes:
                 self._data_dependent = True
@@ -390,86 +429,31 @@ class Estimator:
                           target=self.device)
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
-        """Per-op CPU workspace bytes for ``trace``.
-
-        Measured directly when the trace was a real, profiled run. Otherwise taken from real,
-        profiled one-micro-batch runs at two small batch sizes: each phase kind (forward,
-        backward, optimizer) of the trace is aligned with the same kind of the real run, and
-        matched ops get their measured workspace, fitted affine in the batch size. One pair
-        of real runs thus serves every accumulation setting of a precision and checkpointing.
-        """
+        """Per-op CPU workspace bytes for ``trace``: measured directly when the trace was a
+        real, profiled run, else carried over from a fit of real runs (see ``_workspace``).
+        A checkpointed configuration borrows the fit of the same one without checkpointing
+        when its ops are all found there, and is measured on its own otherwise."""
         if trace.op_workspace is not None:
             return trace.op_workspace, None
+        reference = reference_config(trace.config)
+        if reference is not None and fit_key(trace.config) not in self._workspace_fits:
+            borrowed = self._workspace_fit(reference)
+            ws = borrowed_workspaces(trace, borrowed) if borrowed is not None else None
+            if ws is not None:
+                return ws, None
         fit = self._workspace_fit(trace.config)
         if fit is None:
             return None, "kernel workspaces not measured (small-batch CPU runs failed)"
-        full = [0] * len(trace.ops)
-        matched = total = real_new = size_gap = 0
-        for phase, indices in _ops_by_phase(trace).items():
-            kind = _phase_key(phase, trace.config)
-            if kind not in fit:
-                if kind in ("forward", "backward"):
-                    total += len(indices)
-                continue
-            names, intercept, slope = fit[kind]
-            mine = [trace.ops[i].name for i in indices]
-            # Fake and real runs can differ in a few ops (autograd may accumulate a gradient
-            # in place on one and out of place on the other); align the two sequences.
-            blocks = difflib.SequenceMatcher(None, names, mine, autojunk=False).get_matching_blocks()
-            real = np.maximum(np.rint(intercept + slope * trace.batch_size), 0).astype(np.int64)
-            for block in blocks:
-                for k in range(block.size):
-                    i = indices[block.b + k]
-                    full[i] = int(real[block.a + k, 0])
-                    real_new += int(real[block.a + k, 1])
-                    size_gap += abs(int(real[block.a + k, 1]) - trace.ops[i].new_bytes)
-            matched += sum(b.size for b in blocks)
-            total += max(len(mine), len(names))
-        # A poor match, or matched ops whose outputs differ in size, means fake tensors took
-        # other kernels than the CPU runs (oneDNN's LSTM, whose meta kernel cannot know the
-        # real workspace output): then this model is measured for real.
-        if matched < 0.9 * max(total, 1) or size_gap > 0.01 * max(real_new, 1):
-            return None, _DIVERGED
-        return full, None
+        ws = aligned_workspaces(trace, fit)
+        # Fake tensors took other kernels than the CPU runs: this model is measured for real.
+        return (ws, None) if ws is not None else (None, _DIVERGED)
 
-    def _workspace_fit(self, config: TrainConfig) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]] | None:
-        key = _workspace_key(config)
+    def _workspace_fit(self, config: TrainConfig) -> WorkspaceFit | None:
+        key = fit_key(config)
         with self._lock:
             if key not in self._workspace_fits:
-                self._workspace_fits[key] = self._measure_workspace_fit(config)
+                self._workspace_fits[key] = measure_fit(self.task, config)
             return self._workspace_fits[key]
-
-    def _measure_workspace_fit(self, config: TrainConfig) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]] | None:
-        if config.strategy == "single":
-            # One optimizer step of one micro-batch: every forward and backward kernel runs;
-            # optimizer steps allocate no scratch worth measuring (elementwise kernels).
-            one, steps = config.replace(grad_accum_steps=1), 1
-        else:
-            # DDP and FSDP2 run other ops in their first step (lazy initialisation, bucket
-            # rebuild) and in skipped-sync micro-batches: the runs have the trace's phases.
-            one, steps = config.replace(grad_accum_steps=min(config.grad_accum_steps, 2)), 2
-        try:
-            runs = [trace_step(self.task, one, batch_size=a, real=True, profile=True, steps=steps)
-                    for a in WORKSPACE_ANCHORS]
-        except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
-            return None
-        per_run = []
-        for run in runs:
-            assert run.op_workspace is not None
-            # Per op: its measured workspace and the bytes of the storages it created.
-            per_run.append({_phase_key(phase, config): ([run.ops[i].name for i in idx],
-                                                np.asarray([[run.op_workspace[i], run.ops[i].new_bytes] for i in idx],
-                                                           dtype=np.float64).reshape(-1, 2))
-                            for phase, idx in _ops_by_phase(run).items()})
-        fit = {}
-        (a0, a1) = WORKSPACE_ANCHORS
-        for kind, (names, w0) in per_run[0].items():
-            other = per_run[1].get(kind)
-            if other is None or other[0] != names:
-                continue
-            slope = (other[1] - w0) / (a1 - a0)
-            fit[kind] = (names, w0 - slope * a0, slope)
-        return fit
 
     def _prepare(self, trace: Trace) -> _Prepared:
         notes: list[str] = []
@@ -560,6 +544,11 @@ class Estimator:
         with self._lock:
             if shape_key in self._scaling:
                 return self._scaling[shape_key]
+            check, self._affinity_check = self._affinity_check, None
+            if check is not None and self._affine is None and self._shape_key(check) != shape_key:
+                # The prefetch traces a third anchor for this one configuration only: affinity
+                # is checked there, and every other shape then scales from two.
+                self._scaling_for(check)
             scaling: _Scaling | None = None
             if not self._data_dependent and self._affine is not False:
                 traces, anchors = self._anchor_traces(config)
@@ -613,7 +602,7 @@ class Estimator:
     def _trace_in_parallel(self, config: TrainConfig, batches: Sequence[int]) -> None:
         """Trace the last missing batch size in the worker process while this one traces
         the others, when traces of this model take long enough to be worth a second core."""
-        if self._pending:
+        if self._pending or self._queue:
             return  # a prefetch is in flight: its queue has the anchors, or this process traces them
         shape_key = self._shape_key(config)
         missing = [b for b in batches if not self._have((shape_key, b))]
@@ -759,35 +748,6 @@ class _ModelFacts:
     trainable: int
     units: FsdpUnits
     ddp_buckets: tuple[int, ...]
-
-
-def _workspace_key(config: TrainConfig) -> tuple[Any, ...]:
-    if config.strategy == "single":
-        return (config.precision, config.checkpoint_segments)
-    return (config.precision, config.checkpoint_segments, config.strategy, config.world_size,
-            min(config.grad_accum_steps, 2))
-
-
-def _phase_key(label: str, config: TrainConfig) -> str:
-    """Forward and backward passes run the same kernels in every micro-batch; the first
-    optimizer step (which creates the state) differs from the later ones. Under ddp and fsdp
-    every phase is its own (see ``_measure_workspace_fit``)."""
-    if config.strategy != "single":
-        return label
-    kind = label.rsplit(" ", 1)[-1]
-    return kind if kind in ("forward", "backward") else f"{label.split(' ')[1]} {kind}"
-
-
-def _ops_by_phase(trace: Trace) -> dict[str, list[int]]:
-    """Indices of the significant ops of each phase ("step 1 micro 2 forward", …), in order."""
-    out: dict[str, list[int]] = {}
-    for i in _significant_indices(trace):
-        out.setdefault(trace.phase_labels[trace.ops[i].phase], []).append(i)
-    return out
-
-
-def _significant_indices(trace: Trace) -> list[int]:
-    return [i for i, op in enumerate(trace.ops) if op.significant]
 
 
 def _aligned(traces: list[_Prepared]) -> bool:

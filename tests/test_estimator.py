@@ -369,3 +369,59 @@ def test_prefetch_survives_its_worker_dying():
     assert estimator._worker is None and estimator._worker_failed and not estimator._pending
     alone = Estimator(lm_task(), gpu="A100-80GB")
     assert [g.peak_bytes for g in got] == [alone.estimate(c).peak_bytes for c in space]
+
+
+def _count_prefetch(monkeypatch) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """Fake traces run in this process and traces handed to the worker, as
+    (accumulation, checkpoint segments, batch)."""
+    import estimators._estimate as est_mod
+    from estimators._trace_worker import TraceWorker
+    local, remote = [], []
+    original_trace, original_submit = est_mod.trace_step, TraceWorker.submit
+
+    def traced(task, config, **kwargs):
+        if not kwargs.get("real"):
+            local.append((min(config.grad_accum_steps, 2), config.checkpoint_segments, kwargs.get("batch_size")))
+        return original_trace(task, config, **kwargs)
+
+    def submitted(self, config, batch_size, target):
+        remote.append((min(config.grad_accum_steps, 2), config.checkpoint_segments, batch_size))
+        return original_submit(self, config, batch_size, target)
+
+    monkeypatch.setattr(est_mod, "trace_step", traced)
+    monkeypatch.setattr(TraceWorker, "submit", submitted)
+    return local, remote
+
+
+def test_prefetch_queue_is_shared_by_both_processes(monkeypatch):
+    # A GPU target has no real runs: this process takes traces from the queue's end while
+    # the worker takes them from its front, and no trace is done twice.
+    local, remote = _count_prefetch(monkeypatch)
+    space = [TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m, checkpoint_segments=s)
+             for m in (1, 2, 4, 8) for s in (0, 1, 2, 4)]
+    estimator = Estimator(lm_task(), gpu="A100-80GB")
+    estimator.expect(space, prefetch=True)
+    planned = len(estimator._queue) + len(estimator._pending)
+    assert len(estimator._pending) == 2 and remote  # the worker is kept two traces ahead
+    got = [estimator.estimate(c) for c in space]
+    estimator.close()
+    assert local and remote and len(local) + len(remote) == planned
+    assert len(set(local + remote)) == planned
+    alone = Estimator(lm_task(), gpu="A100-80GB")
+    assert [g.peak_bytes for g in got] == [alone.estimate(c).peak_bytes for c in space]
+
+
+def test_prefetch_checks_affinity_on_one_shape_whatever_is_asked_first(monkeypatch):
+    # The prefetch traces three anchors for one shape; asking another shape first must not
+    # trace a third anchor for it too.
+    local, remote = _count_prefetch(monkeypatch)
+    space = [TrainConfig(micro_batch_size=m, grad_accum_steps=16 // m, checkpoint_segments=s)
+             for s in (0, 2) for m in (2, 4, 8, 16)]
+    estimator = Estimator(lm_task(), device="cpu")
+    estimator.expect(space, prefetch=True)
+    for config in reversed(space):  # the other shape first
+        estimator.estimate(config)
+    estimator.close()
+    middle = [t for t in local + remote if t[2] == 3]
+    assert len(middle) == 1 and middle[0][1] == 0
+    assert estimator._affine is True
