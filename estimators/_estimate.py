@@ -320,20 +320,34 @@ class Estimator:
                     except Exception:  # noqa: BLE001 - raised again, properly, when it is asked
                         pass
                     continue
-            try:
-                ticket, payload = worker.next_result(timeout_s=max(120.0, 20 * self._last_fake_trace_s))
-            except WorkerDied:
-                self._drop_worker()
+            if not self._receive():
                 return
-            arrived = next((k for k, t in self._pending.items() if t == ticket), None)
-            if arrived is None:
-                continue
+
+    def _receive(self) -> bool:
+        """Take the worker's next trace, waiting for it, and hand it the next one; False
+        when the worker is gone (this process then traces alone)."""
+        assert self._worker is not None
+        try:
+            ticket, payload = self._worker.next_result(timeout_s=max(120.0, 20 * self._last_fake_trace_s))
+        except WorkerDied:
+            self._drop_worker()
+            return False
+        arrived = next((k for k, t in self._pending.items() if t == ticket), None)
+        if arrived is not None:
             del self._pending[arrived]
             if isinstance(payload, Trace) and payload.method == "traced":
                 self._fetched[arrived] = self._keep_derived(payload)
                 self._fake_traced = True
             # A failure in the worker is traced again here, which raises it properly.
-            self._top_up()
+        self._top_up()
+        return True
+
+    def _pump(self) -> None:
+        """Take whatever the worker has finished, without waiting, so that it is never idle
+        while this process traces what the search asks."""
+        while self._pending and self._worker is not None and self._worker.ready():
+            if not self._receive():
+                return
 
     def rates(self) -> DeviceRates:
         """The target's compute and memory rates (spec table for GPUs, measured for the CPU)."""
@@ -384,6 +398,7 @@ class Estimator:
         key = (self._shape_key(config), batch)
         with self._lock:
             if key not in self._prepared:
+                self._pump()
                 # Asked before the worker took it: traced here (and off the shared queue).
                 self._queue = [item for item in self._queue if item[0] != key]
                 if key in self._pending:
