@@ -340,11 +340,18 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
+    kept_first: TrainConfig | None = None
     if len(probed) >= 2:
-        probed = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
+        probed, kept_first = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
     # Unprobed configurations get the time model refitted by the probes.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
+    if kept_first is not None:
+        # The probes could not tell the predicted best from its rival: the prediction's
+        # order stands between the two (the figures shown stay as measured).
+        kept = next(e for e in measured_sorted if e.config == kept_first)
+        measured_sorted.remove(kept)
+        measured_sorted.insert(0, kept)
     best_measured = measured_sorted[0].samples_per_s if measured_sorted else 0.0
     # Measured figures come first; an unmeasured configuration ranks above them only if its
     # (calibrated) prediction beats the best measurement.
@@ -355,7 +362,7 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
 
 
 def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
-                      notes: list[str]) -> list[PlanEntry]:
+                      notes: list[str]) -> tuple[list[PlanEntry], TrainConfig | None]:
     """When the probes overturn the predicted order of the top configuration, measure the two
     once more before believing them.
 
@@ -364,11 +371,17 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     within a probe agree to a few percent. A single measured lead against the prediction is
     therefore as likely noise as a modelling error: the predicted best and the measured best
     are probed again, in the other order, and each keeps the mean of its two measurements.
+
+    The lead then stands only if it is larger than the probes' own disagreement: when either
+    configuration's two measurements lie further apart than the two configurations' means,
+    the probes cannot tell them apart and the prediction's order is kept (its configuration
+    is returned second; None otherwise).
     """
     predicted_first = probed[0]  # probes run in predicted order
     leader = max(probed, key=lambda e: e.samples_per_s)
     if leader is predicted_first:
-        return probed
+        return probed, None
+    steps: dict[TrainConfig, tuple[float, float]] = {}
     confirmed: dict[TrainConfig, PlanEntry | None] = {}  # None: dropped
     for entry in (leader, predicted_first):
         first = entry.measured
@@ -385,6 +398,7 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
             notes.append(f"{entry.config.describe()}: second probe {status}; the first kept")
             continue
         estimator.calibrate(entry.config, second.step_time_s)
+        steps[entry.config] = (first.step_time_s, second.step_time_s)
         step = (first.step_time_s + second.step_time_s) / 2
         higher = max((first, second), key=_need)
         if _need(higher) > limit:
@@ -398,7 +412,16 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     notes.append(f"the probes put {leader.config.describe()} ahead of the predicted best "
                  f"({predicted_first.config.describe()}): both were probed again")
     out = [confirmed[e.config] if e.config in confirmed else e for e in probed]
-    return [e for e in out if e is not None]
+    kept_first = None
+    if confirmed.get(leader.config) and confirmed.get(predicted_first.config) and len(steps) == 2:
+        mean = {c: (a + b) / 2 for c, (a, b) in steps.items()}
+        spread = max(abs(a - b) / mean[c] for c, (a, b) in steps.items())
+        lead = mean[predicted_first.config] / mean[leader.config] - 1
+        if 0 < lead <= spread:
+            kept_first = predicted_first.config
+            notes.append(f"{leader.config.describe()} led by {lead:.0%} on the means, less than one "
+                         f"configuration's two probes differ ({spread:.0%}): the predicted order is kept")
+    return [e for e in out if e is not None], kept_first
 
 
 def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:

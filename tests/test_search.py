@@ -308,10 +308,28 @@ def test_probes_overturning_the_prediction_are_confirmed():
     by_config = {e.config: e for e in plan.entries}
     assert "mean of two probes" in by_config[second].measured.notes[-1]
     assert any("ahead of the predicted best" in n for n in plan.notes)
-    # Means: the second is 2/3 of its predicted time, the first as predicted: the lead holds
-    # only if the prediction gap was under 1.5x.
-    expected = second if by_config[second].measured.step_time_s < by_config[first].measured.step_time_s else first
-    assert plan.best.config == expected
+    # The second's two probes lie 3x apart, further than any lead on the means: the probes
+    # cannot tell the two apart, and the prediction's order is kept.
+    assert plan.best.config == first
+    assert any("the predicted order is kept" in n for n in plan.notes)
+
+    # A lead both probes agree on stands.
+    calls.clear()
+    faster = {"config": None}
+
+    def consistent_probe(task, config: TrainConfig, budget: int):
+        calls.append(config)
+        est = Estimator(task, device="cpu").estimate(config)
+        if len(calls) == 2:
+            faster["config"] = config
+        step = est.step_time_s / (3 if config == faster["config"] else 1)
+        measured = replace(est, method="measured", step_time_s=step, samples_per_s=config.global_batch / step)
+        return ProbeResult(status="ok", estimate=measured, message="", overhead_s=0.0, wall_s=0.0)
+
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, probe_fn=consistent_probe,
+                  precisions=["fp32"])
+    assert calls[2:] == [calls[1], calls[0]] and plan.best.config == calls[1]
+    assert not any("the predicted order is kept" in n for n in plan.notes)
 
     # Probes that agree with the prediction are believed at once.
     calls.clear()
