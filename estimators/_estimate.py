@@ -57,7 +57,6 @@ PARALLEL_TRACE_S = 1.0
 """Fake traces taking at least this long share batch-scaling anchors with a worker process."""
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
     """Predicted (or measured) memory and time of one training configuration.

@@ -340,18 +340,18 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
-    kept_first: TrainConfig | None = None
+    kept: tuple[TrainConfig, TrainConfig] | None = None
     if len(probed) >= 2:
-        probed, kept_first = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
+        probed, kept = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
     # Unprobed configurations get the time model refitted by the probes.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
-    if kept_first is not None:
+    if kept is not None:
         # The probes could not tell the predicted best from its rival: the prediction's
         # order stands between the two (the figures shown stay as measured).
-        kept = next(e for e in measured_sorted if e.config == kept_first)
-        measured_sorted.remove(kept)
-        measured_sorted.insert(0, kept)
+        predicted, rival = (next(e for e in measured_sorted if e.config == c) for c in kept)
+        measured_sorted.remove(predicted)
+        measured_sorted.insert(measured_sorted.index(rival), predicted)
     best_measured = measured_sorted[0].samples_per_s if measured_sorted else 0.0
     # Measured figures come first; an unmeasured configuration ranks above them only if its
     # (calibrated) prediction beats the best measurement.
@@ -362,7 +362,7 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
 
 
 def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
-                      notes: list[str]) -> tuple[list[PlanEntry], TrainConfig | None]:
+                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
     """When the probes overturn the predicted order of the top configuration, measure the two
     once more before believing them.
 
@@ -374,8 +374,8 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
 
     The lead then stands only if it is larger than the probes' own disagreement: when either
     configuration's two measurements lie further apart than the two configurations' means,
-    the probes cannot tell them apart and the prediction's order is kept (its configuration
-    is returned second; None otherwise).
+    the probes cannot tell them apart and the prediction's order is kept: the predicted best
+    and its rival are returned second, in that order (None otherwise).
     """
     predicted_first = probed[0]  # probes run in predicted order
     leader = max(probed, key=lambda e: e.samples_per_s)
@@ -412,16 +412,17 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     notes.append(f"the probes put {leader.config.describe()} ahead of the predicted best "
                  f"({predicted_first.config.describe()}): both were probed again")
     out = [confirmed[e.config] if e.config in confirmed else e for e in probed]
-    kept_first = None
-    if confirmed.get(leader.config) and confirmed.get(predicted_first.config) and len(steps) == 2:
+    kept = None
+    # Both kept (not dropped) means both were measured twice.
+    if confirmed.get(leader.config) and confirmed.get(predicted_first.config):
         mean = {c: (a + b) / 2 for c, (a, b) in steps.items()}
         spread = max(abs(a - b) / mean[c] for c, (a, b) in steps.items())
         lead = mean[predicted_first.config] / mean[leader.config] - 1
         if 0 < lead <= spread:
-            kept_first = predicted_first.config
+            kept = (predicted_first.config, leader.config)
             notes.append(f"{leader.config.describe()} led by {lead:.0%} on the means, less than one "
                          f"configuration's two probes differ ({spread:.0%}): the predicted order is kept")
-    return [e for e in out if e is not None], kept_first
+    return [e for e in out if e is not None], kept
 
 
 def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:

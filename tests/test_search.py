@@ -337,3 +337,31 @@ def test_probes_overturning_the_prediction_are_confirmed():
     plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, probe_fn=fake_probe,
                   precisions=["fp32"])
     assert len(calls) == 2 and plan.best.config == calls[0]
+
+
+def test_a_kept_prediction_ranks_only_against_its_rival():
+    # Three probed: the rival leads once by noise, a third configuration measures faster
+    # than both every time. The predicted best goes back above its rival, not above the third.
+    from dataclasses import replace
+
+    from estimators import Estimator
+    from estimators._probe import ProbeResult
+    calls: list[TrainConfig] = []
+    base: dict[str, float] = {}
+
+    def fake_probe(task, config: TrainConfig, budget: int):
+        calls.append(config)
+        est = Estimator(task, device="cpu").estimate(config)
+        base.setdefault("t", est.step_time_s)
+        t = base["t"]
+        order = list(dict.fromkeys(calls))
+        step = {0: t, 1: t / 3 if calls.count(config) == 1 else t, 2: t / 2}[order.index(config)]
+        measured = replace(est, method="measured", step_time_s=step, samples_per_s=config.global_batch / step)
+        return ProbeResult(status="ok", estimate=measured, message="", overhead_s=0.0, wall_s=0.0)
+
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=3, probe_fn=fake_probe,
+                  precisions=["fp32"])
+    predicted, rival, third = list(dict.fromkeys(calls))
+    assert any("the predicted order is kept" in n for n in plan.notes)
+    ranked = [e.config for e in plan.entries if e.measured is not None]
+    assert ranked == [third, predicted, rival]
