@@ -275,7 +275,13 @@ def test_equal_predictions_rank_the_simpler_config_and_are_probed_once():
     plan = search(stack, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=2, probe_fn=fake_probe,
                   precisions=["fp32"])
     twins = [e for e in plan.entries if e.config.micro_batch_size == 8]
-    assert len(twins) == 4 and len({e.predicted.step_time_s for e in twins}) == 1
+    # The probed twin shows the prediction it was probed on; the others are refitted on the
+    # probes: each group alike (a calibration that round-trips its own estimate may still
+    # move the last bit, so the two groups are not compared).
+    from estimators import Estimator
+    uncalibrated = Estimator(stack, device="cpu")
+    assert len(twins) == 4 and len({uncalibrated.estimate(e.config).step_time_s for e in twins}) == 1
+    assert len({e.predicted.step_time_s for e in twins if e.measured is None}) == 1
     assert [e.config.checkpoint_segments for e in twins] == [0, 1, 2, 3]  # the simplest first
     # Two probes, of configurations the estimator tells apart: micro-batch 8 and 4 x 2.
     assert [(c.micro_batch_size, c.checkpoint_segments) for c in probed] == [(8, 0), (4, 0)]
