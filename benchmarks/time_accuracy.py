@@ -18,7 +18,7 @@ Measurements (``--measure``):
 
 * ``probe`` (default): ``estimators._probe.probe`` per configuration (steps=5, warmup=2), the
   median wall time of a step, as a search sees it. Use on a quiet machine.
-* ``cpu-time``: the same step (``estimators._probe._Stepper``) in this process with ONE torch
+* ``cpu-time``: the same step (``estimators._probe.Stepper``) in this process with ONE torch
   thread, timed by the process's CPU time (median of 3-9 steps after 2 warm-up steps). On a
   shared machine the wall clock counts other processes' time slices; the CPU time of a
   single-threaded step barely moves with the load (cache and memory-bus sharing remain). The
@@ -111,7 +111,7 @@ def measure_cpu_time(path: Path, config: TrainConfig, *, warmup: int = 2, min_st
                      max_steps: int = 9, budget_s: float = 6.0) -> dict[str, Any]:
     """The probe's step, in this process, timed by CPU time (one torch thread)."""
     from estimators import _precision
-    from estimators._probe import _Stepper
+    from estimators._probe import Stepper
 
     task = load_task(str(path))
     torch.manual_seed(0)
@@ -120,7 +120,7 @@ def measure_cpu_time(path: Path, config: TrainConfig, *, warmup: int = 2, min_st
     optimizer = task.make_optimizer(model)
     scaler = _precision.make_grad_scaler(config.precision, "cpu")
     task.batch_template()
-    step = _Stepper(task, config, model, optimizer, scaler, torch.device("cpu"))
+    step = Stepper(task, config, model, optimizer, scaler, torch.device("cpu"))
     for i in range(1, warmup + 1):  # the first step creates the optimizer state
         step(i)
     cpu, wall = [], []

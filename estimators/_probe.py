@@ -84,12 +84,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping
 
 from ._config import TrainConfig
 from ._errors import ConfigError, MemplanError, ProbeError
 from ._estimate import Estimate
 from ._task import Task
+
+if TYPE_CHECKING:
+    from ._race import RaceResult
 
 __all__ = ["ProbeResult", "Prober", "probe", "prestart", "shutdown", "is_oom_error"]
 
@@ -610,72 +613,92 @@ class Prober:
     def probe(self, config: TrainConfig, *, steps: int = 5, warmup: int = 2,
               budget_bytes: int | None = None, timeout_s: float = 120) -> ProbeResult:
         """Run ``config`` for real in a child process; see :func:`probe`."""
+        _check_args(config, steps, warmup, budget_bytes, timeout_s)
+        request = self._request(kind="probe", config=config.to_dict(), steps=steps, warmup=warmup,
+                                budget_bytes=budget_bytes)
+        status, message, reply, wall = self._exchange(request, timeout_s, config.describe())
+        est = reply.get("estimate") if reply else None
+        steps_s = float(reply.get("steps_s", 0.0)) if reply else 0.0
+        return ProbeResult(status=status, estimate=Estimate.from_dict(est) if est else None,
+                           message=message, overhead_s=max(0.0, wall - steps_s), wall_s=wall)
+
+    def race(self, configs: tuple[TrainConfig, TrainConfig] | list[TrainConfig], *, rounds: int = 8,
+             warmup: int = 2, timeout_s: float = 120) -> RaceResult:
+        """Time two configurations step against step in one child process; see
+        :func:`estimators._race.race`."""
+        from ._race import RaceResult, check_race_args
+
+        pair = check_race_args(configs, rounds, warmup, timeout_s)
+        request = self._request(kind="race", configs=[c.to_dict() for c in pair], rounds=rounds, warmup=warmup)
+        what = f"{pair[0].describe()} against {pair[1].describe()}"
+        status, message, reply, wall = self._exchange(request, timeout_s, what)
+        times = tuple(tuple(float(t) for t in ts) for ts in reply.get("step_times", ())) if reply else ()
+        return RaceResult(status=status, configs=pair, step_times=times if status == "ok" else (),
+                          message=message, wall_s=wall)
+
+    def _request(self, **fields: Any) -> dict[str, Any]:
         import torch
 
-        _check_args(config, steps, warmup, budget_bytes, timeout_s)
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        request = {
-            "task": self._payload, "config": config.to_dict(), "device": self.device,
-            "steps": steps, "warmup": warmup, "budget_bytes": budget_bytes, "sys_path": list(sys.path),
+        return {
+            "task": self._payload, "device": self.device, "sys_path": list(sys.path),
             # The caller's intra-op threads: a probe times what this process would see.
             "num_threads": torch.get_num_threads(),
             # The server forks children with the environment and directory it started with;
             # the child takes the caller's current ones.
-            "env": dict(os.environ), "cwd": os.getcwd(),
+            "env": dict(os.environ), "cwd": os.getcwd(), **fields,
         }
 
-        def result(status: ProbeStatus, message: str, reply: Mapping[str, Any] | None = None) -> ProbeResult:
-            wall = time.monotonic() - t0
-            est = reply.get("estimate") if reply else None
-            steps_s = float(reply.get("steps_s", 0.0)) if reply else 0.0
-            return ProbeResult(status=status, estimate=Estimate.from_dict(est) if est else None,
-                               message=message, overhead_s=max(0.0, wall - steps_s), wall_s=wall)
+    def _exchange(self, request: dict[str, Any], timeout_s: float,
+                  what: str) -> tuple[ProbeStatus, str, dict[str, Any] | None, float]:
+        """Send ``request`` to a fresh child; its status, message, reply (None when the child
+        failed to answer) and the call's wall time."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
 
-        def timed_out() -> ProbeResult:
-            return result("timeout", f"the probe of {config.describe()} did not finish within "
-                                     f"{timeout_s:g} s; the probe process was killed")
+        def out(status: ProbeStatus, message: str,
+                reply: dict[str, Any] | None = None) -> tuple[ProbeStatus, str, dict[str, Any] | None, float]:
+            return status, message, reply, time.monotonic() - t0
 
+        timeout_message = f"the probe of {what} did not finish within {timeout_s:g} s; the probe process was killed"
         try:
             child = _Child(deadline)
         except _Timeout:  # the probe server is still starting
-            return timed_out()
+            return out("timeout", timeout_message)
         except _ChildGone:
             server = _ZYGOTE
             tail = _log_tail(server.log) if server is not None else ""
             shutdown()
-            return result("error", "the probe server died" + (f"; its last output: {tail}" if tail else ""))
-        outcome: ProbeResult | None = None
+            return out("error", "the probe server died" + (f"; its last output: {tail}" if tail else ""))
+        failed: tuple[ProbeStatus, str] | None = None
         reply: dict[str, Any] | None = None
         try:
             reply = child.request(request, deadline)
         except _Timeout:
             child.kill()
-            outcome = timed_out()
+            failed = ("timeout", timeout_message)
         except _ChildGone:
-            outcome = self._crashed(child, config, result)
+            failed = self._crashed(child, what)
         finally:
             child.close()  # counted in the probe's time: the caller waits for it too
-        if outcome is not None:
-            return outcome
+        if failed is not None:
+            return out(*failed)
         assert reply is not None
-        return result(reply["status"], reply.get("message", ""), reply)
+        return out(reply["status"], reply.get("message", ""), reply)
 
     @staticmethod
-    def _crashed(child: _Child, config: TrainConfig,
-                 result: Callable[[ProbeStatus, str], ProbeResult]) -> ProbeResult:
+    def _crashed(child: _Child, what: str) -> tuple[ProbeStatus, str]:
         code = child.wait(5.0)
         tail = _log_tail(child.log)
         if code is not None and code < 0:
             signum = -code
             name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
             if signum == signal.SIGKILL and not child.killed:
-                return result("oom", f"the probe process of {config.describe()} was killed (SIGKILL), most "
-                                     "likely by the kernel's OOM killer: the machine ran out of memory")
-            message = f"the probe process of {config.describe()} died by {name}"
+                return "oom", (f"the probe process of {what} was killed (SIGKILL), most likely by the "
+                               "kernel's OOM killer: the machine ran out of memory")
+            message = f"the probe process of {what} died by {name}"
         else:
-            message = f"the probe process of {config.describe()} exited unexpectedly (exit code {code})"
-        return result("error", message + (f"; its last output: {tail}" if tail else ""))
+            message = f"the probe process of {what} exited unexpectedly (exit code {code})"
+        return "error", message + (f"; its last output: {tail}" if tail else "")
 
 
 def _check_args(config: TrainConfig, steps: int, warmup: int, budget_bytes: int | None, timeout_s: float) -> None:
@@ -864,6 +887,10 @@ def _serve(msg: dict[str, Any]) -> dict[str, Any]:
             import torch
             torch.set_num_threads(int(msg["num_threads"]))
         task = _load(msg["task"])
+        if msg.get("kind") == "race":
+            from ._race import run_race
+            return run_race(task, [TrainConfig.from_dict(c) for c in msg["configs"]], device=msg["device"],
+                            rounds=msg["rounds"], warmup=msg["warmup"])
         return _run_probe(task, TrainConfig.from_dict(msg["config"]), device=msg["device"],
                           steps=msg["steps"], warmup=msg["warmup"], budget_bytes=msg["budget_bytes"])
     except Exception as exc:  # noqa: BLE001 - every failure becomes a result
@@ -896,13 +923,24 @@ def _load(spec: dict[str, Any]) -> Task:
     return pickle.loads(spec["blob"])
 
 
+def build_for_training(task: Task, config: TrainConfig, dev: Any) -> Any:
+    """The task's model on ``dev``, in train mode, checkpointed as ``config`` says."""
+    from . import _checkpoint
+
+    model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+    model.train()
+    model.to(dev)
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    return model
+
+
 def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmup: int,
                budget_bytes: int | None) -> dict[str, Any]:
     import contextlib
 
     import torch
 
-    from . import _checkpoint, _precision
+    from . import _precision
     from ._guard import MemoryGuard
     from ._measure import storage_bytes
 
@@ -912,10 +950,7 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
         if dev.index is not None:
             torch.cuda.set_device(dev)
         torch.cuda.empty_cache()
-    model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-    model.train()
-    model.to(dev)
-    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    model = build_for_training(task, config, dev)
     seen: set[int] = set()
     n_params = n_trainable = 0
     for p in model.parameters():
@@ -932,7 +967,7 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
     guard = MemoryGuard(budget_bytes, device=dev.type) if budget_bytes is not None else None
     if guard is not None:
         guard.track(model)
-    step = _Stepper(task, config, model, optimizer, scaler, dev)
+    step = Stepper(task, config, model, optimizer, scaler, dev)
 
     # -- memory: the first two optimizer steps -------------------------------------------
     t_steps = time.monotonic()
@@ -1023,7 +1058,7 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
 _PHASE_PREFIX = "memplan_phase::"
 
 
-class _Stepper:
+class Stepper:
     """One optimizer step of the trainer: every micro-batch, then the optimizer."""
 
     def __init__(self, task: Task, config: TrainConfig, model: Any, optimizer: Any, scaler: Any,

@@ -7,7 +7,8 @@ configuration is a *completed* infeasible trial the sampler learns from, never a
 the space is small the study enumerates it (``BruteForceSampler``), else a seeded TPE sampler
 explores it. Afterwards the best few feasible configurations are probed on the real device
 (when planning for the device at hand): probes refit the time model, an OOM marks the
-configuration infeasible, and the final ranking prefers measured figures.
+configuration infeasible, and the final ranking prefers measured figures. Probes that
+overturn the predicted best are checked by a race of the two (``estimators._race``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from ._study import MirroredStudy
 __all__ = ["search", "resolve_task", "estimator_for", "default_budget", "default_storage"]
 
 ProbeFn = Callable[[Task, TrainConfig, int], Any]
+# (task, (predicted best, measured leader)) -> an estimators._race.RaceResult
+RaceFn = Callable[[Task, tuple[TrainConfig, TrainConfig]], Any]
 
 
 _ESTIMATORS: "weakref.WeakKeyDictionary[Task, dict[tuple[str | None, str | None], Estimator]]" = weakref.WeakKeyDictionary()
@@ -144,6 +147,7 @@ def search(
     max_micro_batch: int | None = None,
     progress: bool = False,
     probe_fn: ProbeFn | None = None,
+    race_fn: RaceFn | None = None,
     gpus: int = 1,
     nodes: int = 1,
     strategies: Sequence[str] | None = None,
@@ -161,6 +165,9 @@ def search(
     training; more search DDP and FSDP2 over all of them (``strategies`` narrows that), with
     ``vram`` the budget of each device and the global batch split over the ranks. Distributed
     configurations are ranked by prediction (a probe runs one process).
+
+    ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
+    alone, probes that overturn the prediction are confirmed by probing again, not by a race.
 
     >>> plan = search("examples/digits.py", vram="1GB", trials=20)   # doctest: +SKIP
     >>> plan.config.micro_batch_size                                  # doctest: +SKIP
@@ -267,7 +274,7 @@ def search(
     if any(e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     if probe_top > 0 and _can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
-        entries, probe_notes = _probe_best(task, estimator, entries, probe_top, limit, probe_fn)
+        entries, probe_notes = _probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn)
         notes.extend(probe_notes)
         if not entries:
             raise _no_fit(estimates, budget, limit, estimator, measured=True)
@@ -312,13 +319,18 @@ def _can_probe(estimator: Estimator, gpu: str | None) -> bool:
 
 
 def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: int, limit: int,
-                probe_fn: ProbeFn | None) -> tuple[list[PlanEntry], list[str]]:
+                probe_fn: ProbeFn | None, race_fn: RaceFn | None) -> tuple[list[PlanEntry], list[str]]:
     """Measure the best ``top`` feasible configurations; re-rank with what was measured."""
     if probe_fn is None:
         from estimators._probe import probe as real_probe
+        from estimators._race import race as real_race
 
         def probe_fn(t: Task, c: TrainConfig, budget: int) -> Any:
             return real_probe(t, c, device=estimator.device, budget_bytes=budget)
+
+        if race_fn is None:
+            def race_fn(t: Task, pair: tuple[TrainConfig, TrainConfig]) -> Any:
+                return real_race(t, pair, device=estimator.device)
     notes: list[str] = []
     probed: list[PlanEntry] = []
     rest = _probe_order(entries)
@@ -340,18 +352,20 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
-    kept: tuple[TrainConfig, TrainConfig] | None = None
+    above: tuple[TrainConfig, TrainConfig] | None = None
     if len(probed) >= 2:
-        probed, kept = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
+        probed, above = _confirm_overturn(task, estimator, probed, limit, probe_fn, race_fn, notes)
     # Unprobed configurations get the time model refitted by the probes.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
-    if kept is not None:
-        # The probes could not tell the predicted best from its rival: the prediction's
-        # order stands between the two (the figures shown stay as measured).
-        predicted, rival = (next(e for e in measured_sorted if e.config == c) for c in kept)
-        measured_sorted.remove(predicted)
-        measured_sorted.insert(measured_sorted.index(rival), predicted)
+    if above is not None:
+        # The confirmation ordered these two against their figures (a race's rounds, or
+        # probes that could not tell the two apart): the first goes just above the second,
+        # and no further (the figures shown stay as measured).
+        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in above)
+        if measured_sorted.index(upper) > measured_sorted.index(lower):
+            measured_sorted.remove(upper)
+            measured_sorted.insert(measured_sorted.index(lower), upper)
     best_measured = measured_sorted[0].samples_per_s if measured_sorted else 0.0
     # Measured figures come first; an unmeasured configuration ranks above them only if its
     # (calibrated) prediction beats the best measurement.
@@ -361,26 +375,77 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     return ranking, notes
 
 
+# A race decided by less than this share is a tie; the prediction breaks it.
+_RACE_TIE = 0.01
+
+
 def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
+                      race_fn: RaceFn | None,
                       notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
     """When the probes overturn the predicted order of the top configuration, measure the two
-    once more before believing them.
+    again before believing them.
 
-    A probe's few steps run in one fresh process, and on a shared machine the same
-    configuration measures 20-40% apart from one process to the next, while the steps
-    within a probe agree to a few percent. A single measured lead against the prediction is
-    therefore as likely noise as a modelling error: the predicted best and the measured best
-    are probed again, in the other order, and each keeps the mean of its two measurements.
+    A probe's few steps run in one fresh process, and on a shared machine the machine's speed
+    drifts by 20-40% over seconds while the steps within a probe agree to a few percent. Two
+    configurations probed one after the other are compared across that drift: a single
+    measured lead against the prediction is as likely noise as a modelling error.
 
-    The lead then stands only if it is larger than the probes' own disagreement: when either
-    configuration's two measurements lie further apart than the two configurations' means,
-    the probes cannot tell them apart and the prediction's order is kept: the predicted best
-    and its rival are returned second, in that order (None otherwise).
+    The two are raced (``estimators._race``): one process times their steps alternately, so
+    each pair of steps sees the same machine, and the median ratio over the rounds decides;
+    both take the race's median step times as their figures. A tie (under 1%) keeps the
+    prediction's order. When no race can run (it failed, or no ``race_fn``), both are probed
+    again in the other order and each keeps the mean of its two measurements; the lead then
+    stands only if it is larger than either configuration's two probes differ.
+
+    Returns the entries and, when the figures alone would not order the two as decided, the
+    pair (upper, lower) to put in that order.
     """
     predicted_first = probed[0]  # probes run in predicted order
     leader = max(probed, key=lambda e: e.samples_per_s)
     if leader is predicted_first:
         return probed, None
+    notes.append(f"the probes put {leader.config.describe()} ahead of the predicted best "
+                 f"({predicted_first.config.describe()})")
+    if race_fn is not None:
+        result = race_fn(task, (predicted_first.config, leader.config))
+        if getattr(result, "ok", False):
+            return _settle_by_race(estimator, probed, predicted_first, leader, result, notes)
+        notes.append(f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
+                     f"{getattr(result, 'message', '')}); both were probed again instead")
+    return _reprobe(task, estimator, probed, predicted_first, leader, limit, probe_fn, notes)
+
+
+def _settle_by_race(estimator: Estimator, probed: list[PlanEntry], predicted_first: PlanEntry, leader: PlanEntry,
+                    result: Any, notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
+    rounds = len(result.step_times[0])
+    ratio = float(result.ratio)  # > 1: the leader's steps are the shorter
+    updated: dict[TrainConfig, PlanEntry] = {}
+    for i, (entry, other) in enumerate(((predicted_first, leader), (leader, predicted_first))):
+        step = float(result.median_step_s(i))
+        estimator.calibrate(entry.config, step)
+        assert entry.measured is not None
+        measured = replace(entry.measured, step_time_s=step, samples_per_s=entry.config.global_batch / step,
+                           notes=(*entry.measured.notes, f"time: median of {rounds} steps raced step against step "
+                                                         f"with {other.config.describe()} in one process"))
+        updated[entry.config] = replace(entry, measured=measured)
+    out = [updated.get(e.config, e) for e in probed]
+    wins = int(result.second_wins)
+    if ratio > 1 + _RACE_TIE:
+        notes.append(f"raced step against step, {leader.config.describe()} was faster in {wins} of {rounds} "
+                     f"rounds (by {ratio - 1:.0%} on the median): the lead stands")
+        order = (leader.config, predicted_first.config)
+    else:
+        verdict = ("the two tied" if ratio >= 1 - _RACE_TIE else
+                   f"{predicted_first.config.describe()} was faster in {rounds - wins} of {rounds} rounds "
+                   f"(by {1 / ratio - 1:.0%} on the median)")
+        notes.append(f"raced step against step, {verdict}: the predicted order is kept")
+        order = (predicted_first.config, leader.config)
+    return out, order
+
+
+def _reprobe(task: Task, estimator: Estimator, probed: list[PlanEntry], predicted_first: PlanEntry,
+             leader: PlanEntry, limit: int, probe_fn: ProbeFn,
+             notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
     steps: dict[TrainConfig, tuple[float, float]] = {}
     confirmed: dict[TrainConfig, PlanEntry | None] = {}  # None: dropped
     for entry in (leader, predicted_first):
@@ -409,8 +474,7 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
                          notes=(*higher.notes, f"time: mean of two probes ({first.step_time_s:.4g} s, "
                                                f"{second.step_time_s:.4g} s)"))
         confirmed[entry.config] = replace(entry, measured=merged)
-    notes.append(f"the probes put {leader.config.describe()} ahead of the predicted best "
-                 f"({predicted_first.config.describe()}): both were probed again")
+    notes.append("both were probed again")
     out = [confirmed[e.config] if e.config in confirmed else e for e in probed]
     kept = None
     # Both kept (not dropped) means both were measured twice.

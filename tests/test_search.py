@@ -371,3 +371,110 @@ def test_a_kept_prediction_ranks_only_against_its_rival():
     assert any("the predicted order is kept" in n for n in plan.notes)
     ranked = [e.config for e in plan.entries if e.measured is not None]
     assert ranked == [third, predicted, rival]
+
+
+def _measured_probe(calls: list[TrainConfig], speedup: dict[int, float]):
+    """A probe answering the estimate, the n-th call's step divided by ``speedup[n]``."""
+    from dataclasses import replace
+
+    from estimators import Estimator
+    from estimators._probe import ProbeResult
+
+    def fake_probe(task, config: TrainConfig, budget: int):
+        calls.append(config)
+        est = Estimator(task, device="cpu").estimate(config)
+        step = est.step_time_s / speedup.get(len(calls), 1.0)
+        measured = replace(est, method="measured", step_time_s=step, samples_per_s=config.global_batch / step)
+        return ProbeResult(status="ok", estimate=measured, message="", overhead_s=0.0, wall_s=0.0)
+    return fake_probe
+
+
+def _race_answering(races: list, step_times):
+    from estimators._race import RaceResult
+
+    def fake_race(task, pair):
+        races.append(pair)
+        if step_times is None:
+            return RaceResult(status="error", configs=pair, message="the race process died by SIGSEGV")
+        return RaceResult(status="ok", configs=pair, step_times=step_times)
+    return fake_race
+
+
+def test_an_overturn_is_settled_by_a_race():
+    # The second probe measures 3x fast: the two are raced, not probed again.
+    calls: list[TrainConfig] = []
+    races: list = []
+    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
+    # The race: the leader (second) faster in 3 of 4 rounds, by 25% on the median ratio.
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+                  race_fn=_race_answering(races, ((0.5, 0.5, 0.5, 0.3), (0.4, 0.4, 0.4, 0.4))))
+    first, second = calls
+    assert races == [(first, second)] and len(calls) == 2
+    assert plan.best.config == second
+    by_config = {e.config: e for e in plan.entries}
+    assert by_config[second].measured.step_time_s == pytest.approx(0.4)
+    assert by_config[first].measured.step_time_s == pytest.approx(0.5)
+    assert "raced step against step" in by_config[second].measured.notes[-1]
+    assert any("faster in 3 of 4 rounds (by 25% on the median): the lead stands" in n for n in plan.notes)
+
+    # The race finds the first probes' lead was noise: the predicted best goes back first.
+    calls.clear()
+    races.clear()
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+                  race_fn=_race_answering(races, ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))))
+    assert plan.best.config == calls[0] and len(races) == 1
+    assert any("was faster in 3 of 3 rounds" in n and "the predicted order is kept" in n for n in plan.notes)
+
+    # A tie (the median ratio within 1%) keeps the prediction's order, even where the
+    # medians of the times alone would put the leader first.
+    calls.clear()
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+                  race_fn=_race_answering(races, ((0.5, 0.4, 0.4), (0.5, 0.397, 0.3))))
+    assert plan.best.config == calls[0]
+    assert any("the two tied: the predicted order is kept" in n for n in plan.notes)
+
+
+def test_a_failed_race_falls_back_to_probing_again():
+    calls: list[TrainConfig] = []
+    races: list = []
+    plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
+                  probe_fn=_measured_probe(calls, {2: 3.0}), race_fn=_race_answering(races, None))
+    first, second = calls[:2]
+    assert len(races) == 1 and calls[2:] == [second, first]
+    assert any("did not finish (error: the race process died by SIGSEGV)" in n for n in plan.notes)
+    # The second's two probes lie 3x apart: the prediction's order is kept, as without a race.
+    assert plan.best.config == first
+
+
+def test_search_races_for_real_when_the_probes_overturn_the_prediction(tmp_path):
+    # Real races of a model whose blocks sleep: more micro-batches or checkpointed blocks
+    # sleep more, so the predicted best is also the truly fastest. A fake probe makes the
+    # second probed configuration look 3x fast; the race puts it back.
+    from estimators import load_task
+    from estimators._probe import shutdown
+    from estimators._race import race
+
+    from test_race import SLEEPY
+    path = tmp_path / "sleepy.py"
+    path.write_text(SLEEPY)
+    task = load_task(path)
+    calls: list[TrainConfig] = []
+    races: list = []
+
+    def real_race(t, pair):
+        races.append(pair)
+        return race(t, pair, rounds=4, warmup=1)
+    try:
+        plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
+                      probe_fn=_measured_probe(calls, {2: 3.0}), race_fn=real_race)
+    finally:
+        shutdown()
+    first, second = calls
+    assert (first.micro_batch_size, first.checkpoint_segments) == (8, 0)
+    assert races == [(first, second)]
+    assert plan.best.config == first
+    by_config = {e.config: e for e in plan.entries}
+    # The race's own step times: two 10 ms sleeps a plain step at least.
+    assert by_config[first].measured.step_time_s >= 0.02
+    assert by_config[first].measured.step_time_s < by_config[second].measured.step_time_s
+    assert any("the predicted order is kept" in n for n in plan.notes)

@@ -1,0 +1,161 @@
+"""Races: two configurations timed step against step in one process.
+
+Two probes of the same configuration, a few seconds apart, can measure 20-40% apart on a
+shared machine: the machine's speed drifts over seconds (other tenants, the host), while
+the steps of one probe agree to a few percent. Two configurations probed one after the other
+are therefore compared across that drift, and a true 10-15% difference can come out
+reversed — even twice in a row.
+
+A race takes the drift out of the comparison. One child process (a probe child, forked by
+the same server) builds both configurations — a model, optimizer and, for fp16, a
+GradScaler each —, runs ``warmup`` optimizer steps of each, then ``rounds`` rounds of one
+optimizer step of each, alternating which goes first (ABBA…), so that each pair of steps
+sees the same machine a fraction of a second apart. The comparison is the median over the
+rounds of the two steps' ratio.
+
+A race measures time only: the two configurations are alive together, so memory is the
+probes' business, and a race runs without a memory budget. On cuda the two must fit on the
+device together; a race that runs out of memory says so (status ``oom``) and the caller
+falls back to probing each again.
+
+Measured on this 2-core machine (gpt_tied, micro-batch 8 x4 accumulation, plain against one
+checkpoint segment): single probes put the two 0.81-1.34x apart either way round over a few
+runs; five races of 8 rounds each put the plain step ahead every time, by 1.04-1.12x, with
+the plain step faster in 6-8 of the 8 rounds. A race of two ~0.2 s steps costs 4-5 s here.
+
+Example:
+    >>> r = race("examples/digits.py", (TrainConfig(micro_batch_size=64),
+    ...                                  TrainConfig(micro_batch_size=8, grad_accum_steps=8)))  # doctest: +SKIP
+    >>> r.status, r.ratio > 1   # the first's steps take longer than the second's?       # doctest: +SKIP
+    ('ok', False)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ._config import TrainConfig
+from ._errors import ConfigError
+from ._task import Task
+
+__all__ = ["RaceResult", "race"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaceResult:
+    """The outcome of a race between two configurations.
+
+    ``step_times[i]`` are the timed optimizer steps of ``configs[i]`` (seconds, one per
+    round); empty unless ``status`` is ``ok``. ``message`` explains any other status in one
+    line, as for a probe.
+    """
+
+    status: str
+    configs: tuple[TrainConfig, TrainConfig]
+    step_times: tuple[tuple[float, ...], ...] = ()
+    message: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and len(self.step_times) == 2 and bool(self.step_times[0])
+
+    def median_step_s(self, index: int) -> float:
+        """The median step time of ``configs[index]``."""
+        return statistics.median(self.step_times[index])
+
+    @property
+    def ratio(self) -> float:
+        """Median over the rounds of (first's step time / second's): above 1, the second is
+        faster."""
+        return statistics.median(a / b for a, b in zip(*self.step_times))
+
+    @property
+    def second_wins(self) -> int:
+        """Rounds in which the second configuration's step was the faster."""
+        return sum(1 for a, b in zip(*self.step_times) if b < a)
+
+
+def check_race_args(configs: Sequence[TrainConfig], rounds: int, warmup: int,
+                    timeout_s: float) -> tuple[TrainConfig, TrainConfig]:
+    pair = tuple(configs)
+    if len(pair) != 2 or not all(isinstance(c, TrainConfig) for c in pair):
+        raise ConfigError("a race needs exactly two TrainConfigs")
+    if pair[0] == pair[1]:
+        raise ConfigError(f"a race needs two different configurations; both are {pair[0].describe()}")
+    for c in pair:
+        if c.strategy != "single":
+            raise ConfigError(f"races run one process (strategy single); got strategy {c.strategy!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"rounds must be a whole number >= 1, got {rounds!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be a whole number >= 0, got {warmup!r}")
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    return pair[0], pair[1]
+
+
+def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig], *, device: str = "cpu",
+         rounds: int = 8, warmup: int = 2, timeout_s: float = 120) -> RaceResult:
+    """Time ``configs[0]`` against ``configs[1]``, step against step, in one child process.
+
+    Args:
+        task_ref: As for :func:`~estimators._probe.probe`.
+        configs: Two different single-device configurations.
+        device: ``cpu`` or ``cuda``.
+        rounds: Timed rounds; each times one optimizer step of each configuration.
+        warmup: Un-timed optimizer steps of each before the rounds.
+        timeout_s: Wall-clock limit of the whole race, process start included.
+
+    Returns:
+        A :class:`RaceResult`; what happens in the child never raises here.
+    """
+    from ._probe import Prober
+
+    return Prober(task_ref, device=device).race(configs, rounds=rounds, warmup=warmup, timeout_s=timeout_s)
+
+
+# --------------------------------------------------------------------------- the child side
+
+def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int) -> dict[str, Any]:
+    """In the probe child: build both configurations, warm them up, time the rounds."""
+    import torch
+
+    from . import _precision
+    from ._probe import Stepper, build_for_training
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and dev.index is not None:
+        torch.cuda.set_device(dev)
+    task.batch_template()  # the dataset is built outside the timed steps
+    steppers = []
+    for config in configs:
+        model = build_for_training(task, config, dev)
+        steppers.append(Stepper(task, config, model, task.make_optimizer(model),
+                                _precision.make_grad_scaler(config.precision, dev.type), dev))
+    t0 = time.monotonic()
+    index = 0
+    for _ in range(warmup):
+        index += 1
+        for step in steppers:
+            step(index)
+    times: list[list[float]] = [[] for _ in steppers]
+    for r in range(rounds):
+        index += 1
+        # ABBA: a step that follows the other configuration's (its caches, its allocator
+        # state) is first half the time.
+        order = range(len(steppers)) if r % 2 == 0 else reversed(range(len(steppers)))
+        for i in order:
+            if cuda:
+                torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            steppers[i](index)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            times[i].append(time.perf_counter() - start)
+    return {"status": "ok", "message": "", "step_times": times, "steps_s": time.monotonic() - t0}
