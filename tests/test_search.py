@@ -415,7 +415,7 @@ def test_an_overturn_is_settled_by_a_race():
     assert by_config[second].measured.step_time_s == pytest.approx(0.4)
     assert by_config[first].measured.step_time_s == pytest.approx(0.5)
     assert "raced step against step" in by_config[second].measured.notes[-1]
-    assert any("faster in 3 of 4 rounds (by 25% on the median): the lead stands" in n for n in plan.notes)
+    assert any("faster in 3 of 4 rounds (by 25% on the median): it goes above the predicted best" in n for n in plan.notes)
 
     # The race finds the first probes' lead was noise: the predicted best goes back first.
     calls.clear()
@@ -478,3 +478,36 @@ def test_search_races_for_real_when_the_probes_overturn_the_prediction(tmp_path)
     assert by_config[first].measured.step_time_s >= 0.02
     assert by_config[first].measured.step_time_s < by_config[second].measured.step_time_s
     assert any("the predicted order is kept" in n for n in plan.notes)
+
+
+def test_a_close_call_is_raced_and_a_clear_lead_is_not():
+    calls: list[TrainConfig] = []
+    races: list = []
+    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
+    # The probes agree with the prediction, but the rival measures within reach of the best
+    # (its step 1.1x the best's): the race decides, and finds the rival faster.
+    from estimators import Estimator
+    est = Estimator(lm(), device="cpu")
+
+    measured_probe = _measured_probe(calls, {})
+
+    def probe_within(task, config, budget):
+        from dataclasses import replace
+        result = measured_probe(task, config, budget)
+        if len(calls) == 2:  # the rival: 1.1x the first's step
+            step = est.estimate(calls[0]).step_time_s * 1.1
+            result = replace(result, estimate=replace(result.estimate, step_time_s=step,
+                                                      samples_per_s=config.global_batch / step))
+        return result
+    plan = search(lm(), **kwargs, probe_fn=probe_within,
+                  race_fn=_race_answering(races, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))))
+    first, second = calls
+    assert races == [(first, second)] and plan.best.config == second
+    assert any("within 10% of the predicted best" in n for n in plan.notes)
+
+    # A rival measured far behind (3x the step) is not raced.
+    calls.clear()
+    races.clear()
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 1 / 3}),
+                  race_fn=_race_answering(races, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))))
+    assert races == [] and plan.best.config == calls[0]
