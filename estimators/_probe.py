@@ -46,7 +46,8 @@ its stdout/stderr go to a temporary file whose tail explains crashes. Outcomes:
 
 The parent never holds the child's memory, and every child is killed if need be and reaped
 before :func:`probe` returns; only the server outlives a probe (stopped at exit or by
-:func:`shutdown`; it exits by itself when its parent does).
+:func:`shutdown`; it exits by itself when its parent does). The same children run races
+(``estimators._race``: two configurations timed step against step), with the same outcomes.
 
 Cost (the ``overhead_s`` of a result: wall time less the steps themselves). Measured on this
 2-core machine while other jobs kept the load average at 3.5-6.5 (``import torch`` took 5-8 s

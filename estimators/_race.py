@@ -1,17 +1,17 @@
 """Races: two configurations timed step against step in one process.
 
 Two probes of the same configuration, a few seconds apart, can measure 20-40% apart on a
-shared machine: the machine's speed drifts over seconds (other tenants, the host), while
-the steps of one probe agree to a few percent. Two configurations probed one after the other
-are therefore compared across that drift, and a true 10-15% difference can come out
-reversed — even twice in a row.
+shared machine: the machine's speed drifts over seconds (other tenants, the host), and a
+process keeps a speed of its own, while the steps of one probe agree to a few percent.
+Two configurations probed one after the other are therefore compared across that noise, and
+a true 10-15% difference can come out reversed — even twice in a row.
 
-A race takes the drift out of the comparison. One child process (a probe child, forked by
-the same server) builds both configurations — a model, optimizer and, for fp16, a
-GradScaler each —, runs ``warmup`` optimizer steps of each, then ``rounds`` rounds of one
-optimizer step of each, alternating which goes first (ABBA…), so that each pair of steps
-sees the same machine a fraction of a second apart. The comparison is the median over the
-rounds of the two steps' ratio.
+A race takes both out of the comparison. One child process (a probe child, forked by the
+same server) builds both configurations — a model, optimizer and, for fp16, a GradScaler
+each —, runs ``warmup`` optimizer steps of each, then ``rounds`` rounds of one optimizer step
+of each, alternating which goes first (ABBA…), so that each pair of steps sees the same
+machine a fraction of a second apart, in the same process. The comparison is the median over
+the rounds of the two steps' ratio.
 
 A race measures time only: the two configurations are alive together, so memory is the
 probes' business, and a race runs without a memory budget. On cuda the two must fit on the
@@ -19,9 +19,13 @@ device together; a race that runs out of memory says so (status ``oom``) and the
 falls back to probing each again.
 
 Measured on this 2-core machine (gpt_tied, micro-batch 8 x4 accumulation, plain against one
-checkpoint segment): single probes put the two 0.81-1.34x apart either way round over a few
-runs; five races of 8 rounds each put the plain step ahead every time, by 1.04-1.12x, with
-the plain step faster in 6-8 of the 8 rounds. A race of two ~0.2 s steps costs 4-5 s here.
+checkpoint segment): single probes a few seconds apart put the plain step ahead by up to
+1.34x or behind by up to 1.15x; 5 races of 8 rounds put it ahead every time, by 1.04-1.12x,
+faster in 6-8 of the 8 rounds. cnn_bn, micro-batch 32 against 16 x2: 5 races of 5 put 16 x2
+ahead (1.01-1.18x). The same pair stepped alternately in two processes instead (one
+configuration each, 30 rounds) came out 5% one way, then 12% the other: the process, not only
+the moment, sets the speed, which is why a race shares one. A race of two ~0.2 s steps
+costs 4-5 s here.
 
 Example:
     >>> r = race("examples/digits.py", (TrainConfig(micro_batch_size=64),
