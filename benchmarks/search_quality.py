@@ -121,8 +121,13 @@ def settle(path: Path, chosen: TrainConfig, feasible: list[TrainConfig], grid: d
                 ratios[c].append(v / tp[chosen])
     out = {c: statistics.median(v) if v else 0.0 for c, v in ratios.items()}
     log(f"[{name}] {label} settled (relative to the chosen plan): "
-        + ", ".join(f"{c.describe()} {v:.3f}" for c, v in out.items()))
-    return out
+        + ", ".join(f"{c.describe()} {v:.3f} (rounds {_span(ratios[c])})" for c, v in out.items()))
+    return out, ratios
+
+
+def _span(values: list[float]) -> str:
+    """The rounds' lowest and highest ratio: how far this referee itself can be trusted."""
+    return f"{min(values):.2f}-{max(values):.2f}" if values else "none"
 
 
 def run_model(name: str, path: Path, global_batch: int, precisions: tuple[str, ...], deadline: float) -> dict:
@@ -189,7 +194,7 @@ def run_model(name: str, path: Path, global_batch: int, precisions: tuple[str, .
             s_peak = (r.estimate.peak_bytes + r.estimate.context_bytes) if r.estimate else None
         g = grid.get(chosen)
         g_tp = throughput(space.global_batch, g["step_s"]) if g else 0.0
-        settled = settle(path, chosen, feasible, grid, space.global_batch, limit, name, label)
+        settled, settled_rounds = settle(path, chosen, feasible, grid, space.global_batch, limit, name, label)
         settled_best = max(settled, key=lambda c: settled[c])
         run = {
             "label": label, "budget": budget, "limit": limit, "n_feasible": len(feasible),
@@ -198,7 +203,7 @@ def run_model(name: str, path: Path, global_batch: int, precisions: tuple[str, .
             "probed_in_search": probed_in_search, "search_tp": throughput(space.global_batch, s_step),
             "search_peak": s_peak, "grid_tp": g_tp, "grid_peak": g["peak"] if g else None,
             "pct_grid": 100 * g_tp / best_tp if best_tp else float("nan"),
-            "settled": settled, "settled_best": settled_best,
+            "settled": settled, "settled_rounds": settled_rounds, "settled_best": settled_best,
             "pct_settled": 100 * settled[chosen] / settled[settled_best] if settled.get(chosen) else float("nan"),
             "pct_search_probe": 100 * throughput(space.global_batch, s_step) / best_tp if best_tp else float("nan"),
             "within": (s_peak is not None and s_peak <= limit) and (g is None or g["peak"] is None or g["peak"] <= limit),
@@ -235,8 +240,9 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
             f"Quality is judged on settled figures: the chosen plan and the feasible configurations within "
             f"{100 * SETTLE_WITHIN:.0f}% of the grid's best (at most {SETTLE_MAX}) are probed in {SETTLE_ROUNDS} more "
             "rounds, back to back in rotating order; in each round a configuration's throughput is divided by the "
-            "chosen plan's, and each keeps the median of its ratios. The single grid probe's figures are shown beside "
-            "them. The settling is not counted in either cost.", "",
+            "chosen plan's, and each keeps the median of its ratios (the rounds' lowest and highest ratio are shown: "
+            "where they straddle 1, this referee cannot tell the two apart). The single grid probe's figures are shown "
+            "beside them. The settling is not counted in either cost.", "",
             "## Summary", "",
             "| model | budget | feasible (grid) | best (settled) | chosen | chosen % of best (settled) | "
             "% (single grid probe) | peak within budget | search s | grid s | cost ratio |",
@@ -245,7 +251,7 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
         for x in r["runs"]:
             out.append(
                 f"| {r['name']} | {x['label']} {mb(x['budget'])} (limit {mb(x['limit'])}) | {x['n_feasible']}/{r['space']} | "
-                f"{x['settled_best'].describe()} ({x['settled'][x['settled_best']]:.3f}x the chosen) | {x['chosen'].describe()} | "
+                f"{x['settled_best'].describe()} ({x['settled'][x['settled_best']]:.3f}x the chosen; rounds {_span(x['settled_rounds'][x['settled_best']])}) | {x['chosen'].describe()} | "
                 f"{x['pct_settled']:.1f}% | {x['pct_grid']:.1f}% (grid best {x['best'].describe()}) | {'yes' if x['within'] else 'NO'} (search probe {mb(x['search_peak'])}, grid {mb(x['grid_peak'])}) | "
                 f"{x['search_s']:.1f} | {r['grid_s']:.1f} | {100 * x['ratio']:.0f}% |")
     out += ["", "## Details", ""]
@@ -255,7 +261,8 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
                 f"global batch {r['global_batch']}.", ""]
         for x in r["runs"]:
             out.append(f"- {x['label']} settled, throughput relative to the chosen plan (median of {SETTLE_ROUNDS} paired rounds): "
-                       + "; ".join(f"{c.describe()} {v:.3f}" for c, v in x["settled"].items()))
+                       + "; ".join(f"{c.describe()} {v:.3f} (rounds {_span(x['settled_rounds'][c])})"
+                                   for c, v in x["settled"].items()))
         for x in r["runs"]:
             out.append(f"- {x['label']}: trials {x['trials']}; search's own probe of the chosen plan {x['search_tp']:.0f}/s; probed by search: {x['top_measured']}; "
                        f"notes: {list(x['notes'])}; tight excludes the {x['excluded_top']} measured-fastest" if x['label'] == 'tight'
