@@ -15,8 +15,8 @@ the rounds of the two steps' ratio.
 
 A race measures time only: the two configurations are alive together, so memory is the
 probes' business, and a race runs without a memory budget. On cuda the two must fit on the
-device together; a race that runs out of memory says so (status ``oom``) and the caller
-falls back to probing each again.
+device together; the search races a pair only if their measured peaks fit in the free memory
+together, and a race that runs out of memory all the same says so (status ``oom``).
 
 Measured on this 2-core machine (gpt_tied, micro-batch 8 x4 accumulation, plain against one
 checkpoint segment): single probes a few seconds apart put the plain step ahead by up to

@@ -399,10 +399,11 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     The two are raced (``estimators._race``): one process times their steps alternately, so
     each pair of steps sees the same machine and the same process, and the median ratio over
     the rounds decides; both take the race's median step times as their figures. A tie
-    (under 1%) keeps the prediction's order. When no race can run (it failed, or no
-    ``race_fn``) and the probes overturned the prediction, both are probed again in the other
-    order and each keeps the mean of its two measurements; the lead then stands only if it is
-    larger than either configuration's two probes differ.
+    (under 1%) keeps the prediction's order. When no race can run (it failed, no
+    ``race_fn``, or on cuda the two do not fit in the free memory together) and the probes
+    overturned the prediction, both are probed again in the other order and each keeps the
+    mean of its two measurements; the lead then stands only if it is larger than either
+    configuration's two probes differ.
 
     Returns the entries and, when the figures alone would not order the two as decided, the
     pair (upper, lower) to put in that order.
@@ -418,6 +419,11 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     else:
         notes.append(f"the probes put {rival.config.describe()} within {lead:.0%} of the predicted best "
                      f"({predicted_first.config.describe()}), closer than separate probes can tell")
+    if race_fn is not None and not _fit_together(estimator.device, predicted_first, rival):
+        notes.append("the two do not fit on the device together, so they were not raced")
+        if lead >= 0:
+            return probed, None  # a close call: the probes' order stands
+        race_fn = None
     if race_fn is not None:
         result = race_fn(task, (predicted_first.config, rival.config))
         if getattr(result, "ok", False):
@@ -429,6 +435,18 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
         notes.append(f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
                      f"{getattr(result, 'message', '')}); both were probed again instead")
     return _reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes)
+
+
+def _fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
+    """Can both configurations live on the device at once, as a race needs? On cuda their
+    measured reserved peaks must fit in the free memory (a race that runs out of it would
+    only cost its time); a CPU's RAM holds two configurations of a budget that defaults to
+    half of it."""
+    if not device.startswith("cuda"):
+        return True
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    need = sum(e.measured.peak_bytes if e.measured else 0 for e in (a, b))
+    return need <= free
 
 
 def _settle_by_race(estimator: Estimator, probed: list[PlanEntry], predicted_first: PlanEntry, rival: PlanEntry,

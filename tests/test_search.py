@@ -511,3 +511,23 @@ def test_a_close_call_is_raced_and_a_clear_lead_is_not():
     plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 1 / 3}),
                   race_fn=_race_answering(races, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))))
     assert races == [] and plan.best.config == calls[0]
+
+
+def test_a_race_on_cuda_needs_both_configurations_to_fit_together(monkeypatch):
+    # No GPU here: the free-memory query is stubbed; the rule is what is tested.
+    from estimators import Estimator
+    from memplan._search import PlanEntry, _fit_together
+    config_a, config_b = TrainConfig(micro_batch_size=8), TrainConfig(micro_batch_size=4, grad_accum_steps=2)
+    est = Estimator(lm(), device="cpu")
+
+    def entry(config, peak):
+        from dataclasses import replace
+        predicted = est.estimate(config)
+        measured = replace(predicted, method="measured", peak_allocated_bytes=peak - 100, peak_reserved_bytes=peak)
+        return PlanEntry(config=config, predicted=predicted, measured=measured, probe_status="ok")
+    a, b = entry(config_a, 6_000), entry(config_b, 5_000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 80_000))
+    assert not _fit_together("cuda", a, b)  # 11 000 reserved bytes, 10 000 free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (11_000, 80_000))
+    assert _fit_together("cuda", a, b) and _fit_together("cuda:1", a, b)
+    assert _fit_together("cpu", a, b)
