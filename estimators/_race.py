@@ -1,12 +1,11 @@
 """Races: two configurations timed step against step in one process.
 
 Two probes of the same configuration, a few seconds apart, can measure 20-40% apart on a
-shared machine: the machine's speed drifts over seconds (other tenants, the host), and a
-process keeps a speed of its own, while the steps of one probe agree to a few percent.
-Two configurations probed one after the other are therefore compared across that noise, and
-a true 10-15% difference can come out reversed — even twice in a row.
+shared machine: the machine's speed drifts over seconds (other tenants, the host), while the
+steps of one probe agree to a few percent. Two configurations probed one after the other are
+therefore compared across that drift, and a true 5-10% difference can come out reversed.
 
-A race takes both out of the comparison. One child process (a probe child, forked by the
+A race takes the drift out of the comparison. One child process (a probe child, forked by the
 same server) builds both configurations — a model, optimizer and, for fp16, a GradScaler
 each —, runs ``warmup`` optimizer steps of each, then ``rounds`` rounds of one optimizer step
 of each, alternating which goes first (ABBA…), so that each pair of steps sees the same
@@ -18,14 +17,20 @@ probes' business, and a race runs without a memory budget. On cuda the two must 
 device together; the search races a pair only if their measured peaks fit in the free memory
 together, and a race that runs out of memory all the same says so (status ``oom``).
 
-Measured on this 2-core machine (gpt_tied, micro-batch 8 x4 accumulation, plain against one
-checkpoint segment): single probes a few seconds apart put the plain step ahead by up to
-1.34x or behind by up to 1.15x; 5 races of 8 rounds put it ahead every time, by 1.04-1.12x,
-faster in 6-8 of the 8 rounds. cnn_bn, micro-batch 32 against 16 x2: 5 races of 5 put 16 x2
-ahead (1.01-1.18x). The same pair stepped alternately in two processes instead (one
-configuration each, 30 rounds) came out 5% one way, then 12% the other: the process, not only
-the moment, sets the speed, which is why a race shares one. A race of two ~0.2 s steps
-costs 4-5 s here.
+Measured on this 2-core machine (``benchmarks/race_consistency.py``, results in
+``benchmarks/results/race.md``), 5 comparisons of each pair:
+
+* gpt_tied, micro-batch 8 x4, plain against one checkpoint segment: races put plain ahead 5
+  times in 5 (by 4-12%), and so did the two configurations stepped alternately in two
+  processes (7-10%); separate probes 4 times in 5;
+* cnn_bn, micro-batch 32 against 16 x2: races put 16 x2 ahead 4 times in 5 (up to 12%), two
+  processes put 32 ahead 5 times in 5 (5-16%), separate probes put 16 x2 ahead 3 times in 5.
+  Sharing one process may favour one of the two (the smaller micro-batch, the allocator's
+  cached blocks); which comparison matches each configuration trained alone is not settled;
+* mlp, micro-batch 32 plain against one checkpoint segment: races, two processes and probes
+  put plain ahead 4 times in 5.
+
+A race of two ~0.2 s steps costs 4-5 s here, a pair of probes 6 s.
 
 Example:
     >>> r = race("examples/digits.py", (TrainConfig(micro_batch_size=64),

@@ -389,10 +389,8 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     rival within reach of it, measure the two again before believing them.
 
     A probe's few steps run in one fresh process, and on this kind of shared machine the same
-    configuration measures 20-40% apart from one process to the next (the machine's speed
-    drifts over seconds, and a process keeps its own speed: 30 alternated steps of two
-    configurations in two processes put the same one 5% ahead, then 12% behind), while the
-    steps within a probe agree to a few percent. So a measured lead against the prediction is
+    configuration measures 20-40% apart from one probe to the next (the machine's speed
+    drifts over seconds), while the steps within a probe agree to a few percent. So a measured lead against the prediction is
     as likely noise as a modelling error, and so is a measured lead of the prediction smaller
     than ``_CLOSE``.
 
