@@ -10,12 +10,16 @@ each way of comparing a pair gives the same verdict, on pairs whose true gap is 
 * races: ``estimators._race.race`` with the search's defaults (8 rounds, 2 warm-up steps);
   the verdict is the median of the rounds' ratios;
 * two processes (``--lockstep``): each configuration in a process of its own, stepped
-  alternately by this script (30 rounds): time-paired like a race, but not in one process.
+  alternately by this script (30 rounds): time-paired like a race, but not in one process;
+* alone (``--solo-groups N``): the reference — each configuration trained alone in a fresh
+  process for many steps (a probe with ``--solo-steps`` timed steps), in N groups of four
+  runs in ABBA order; a group's verdict is the ratio of its two runs' summed median steps.
 
 Each line is (first's step time / second's): above 1, the second is faster. A method whose
 verdicts straddle 1 cannot order the pair.
 
-    python benchmarks/race_consistency.py [--repeats 5] [--lockstep] [--out FILE]
+    python benchmarks/race_consistency.py [--models cnn_bn,...] [--repeats 5] [--lockstep]
+        [--solo-groups 5] [--solo-steps 36] [--out FILE]
 """
 
 from __future__ import annotations
@@ -54,6 +58,16 @@ def probe_pair(path: Path, a: TrainConfig, b: TrainConfig, flip: bool) -> float:
         if not (r.ok and r.estimate and r.estimate.step_time_s):
             raise RuntimeError(f"probe of {c.describe()}: {r.status} {r.message}")
         times[c] = r.estimate.step_time_s
+    return times[a] / times[b]
+
+
+def solo_group(path: Path, a: TrainConfig, b: TrainConfig, steps: int) -> float:
+    times: dict[TrainConfig, float] = {a: 0.0, b: 0.0}
+    for c in (a, b, b, a):
+        r = probe(str(path), c, device="cpu", steps=steps, warmup=4, timeout_s=600)
+        if not (r.ok and r.estimate and r.estimate.step_time_s):
+            raise RuntimeError(f"probe of {c.describe()}: {r.status} {r.message}")
+        times[c] += r.estimate.step_time_s
     return times[a] / times[b]
 
 
@@ -100,14 +114,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lockstep", action="store_true")
+    ap.add_argument("--models", default=",".join(name for name, _, _ in PAIRS))
+    ap.add_argument("--solo-groups", type=int, default=0)
+    ap.add_argument("--solo-steps", type=int, default=36)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "race.md"))
     args = ap.parse_args()
     prestart()
     load = os.getloadavg()
     lines = []
     for name, a, b in PAIRS:
+        if name not in args.models.split(","):
+            continue
         path = MODELS / f"{name}.py"
-        probes, races, locks = [], [], []
+        probes, races, locks, solos = [], [], [], []
         t_probe = t_race = 0.0
         for k in range(args.repeats):
             t = time.perf_counter()
@@ -123,7 +142,10 @@ def main() -> None:
                 locks.append(lockstep(path, a, b))
             print(name, k, f"probes {probes[-1]:.3f} race {races[-1]:.3f}"
                   + (f" lockstep {locks[-1]:.3f}" if locks else ""), flush=True)
-        lines.append((name, a, b, probes, races, locks, t_probe / args.repeats, t_race / args.repeats))
+        for k in range(args.solo_groups):
+            solos.append(solo_group(path, a, b, args.solo_steps))
+            print(name, "alone", k, f"{solos[-1]:.3f}", flush=True)
+        lines.append((name, a, b, probes, races, locks, solos, t_probe / args.repeats, t_race / args.repeats))
 
     def cell(values: list[float]) -> str:
         if not values:
@@ -133,20 +155,23 @@ def main() -> None:
                 + f" (second faster in {ahead} of {len(values)})")
 
     out = ["# Race consistency: the same pair compared again and again (CPU)", "",
-           f"Command: `python benchmarks/race_consistency.py --repeats {args.repeats}"
-           + (" --lockstep" if args.lockstep else "") + "`", "",
+           f"Command: `python benchmarks/race_consistency.py --models {args.models} --repeats {args.repeats}"
+           + (" --lockstep" if args.lockstep else "")
+           + (f" --solo-groups {args.solo_groups} --solo-steps {args.solo_steps}" if args.solo_groups else "") + "`", "",
            f"- date: {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
            f"- torch {torch.__version__}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
            f"- load average at start: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}", "",
            "Each figure is (first's step time / second's): above 1, the second is faster. *probes*: the two probed "
            "one after the other in separate processes (5 timed steps after 2 warm-up steps, alternating which goes "
            "first), ratio of their medians; *race*: one process, steps alternating for 8 rounds, median of the "
-           "rounds' ratios; *two processes*: one process per configuration, stepped alternately for 30 rounds.", "",
-           "| model | first | second | probes | race | two processes | wall s per pair of probes / per race |",
-           "|---|---|---|---|---|---|---|"]
-    for name, a, b, probes, races, locks, tp, tr in lines:
+           "rounds' ratios; *two processes*: one process per configuration, stepped alternately for 30 rounds; "
+           f"*alone* (the reference): each trained alone in a fresh process, {args.solo_steps} timed steps, "
+           "groups of four runs in ABBA order, ratio of the summed medians.", "",
+           "| model | first | second | probes | race | two processes | alone | wall s per pair of probes / per race |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, a, b, probes, races, locks, solos, tp, tr in lines:
         out.append(f"| {name} | {a.describe()} | {b.describe()} | {cell(probes)} | {cell(races)} | {cell(locks)} | "
-                   f"{tp:.1f} / {tr:.1f} |")
+                   f"{cell(solos)} | {tp:.1f} / {tr:.1f} |")
     Path(args.out).write_text("\n".join(out) + "\n")
     print("\n".join(out))
 

@@ -25,8 +25,10 @@ Measured on this 2-core machine (``benchmarks/race_consistency.py``, results in
   processes (7-10%); separate probes 4 times in 5;
 * cnn_bn, micro-batch 32 against 16 x2: races put 16 x2 ahead 4 times in 5 (up to 12%), two
   processes put 32 ahead 5 times in 5 (5-16%), separate probes put 16 x2 ahead 3 times in 5.
-  Sharing one process may favour one of the two (the smaller micro-batch, the allocator's
-  cached blocks); which comparison matches each configuration trained alone is not settled;
+  Trained alone (fresh processes of 36 timed steps, ABBA; ``--solo-groups``,
+  ``benchmarks/results/race_alone.md``) the two came within 6% of each other, either way
+  (earlier such runs: 32 ahead by ~13% in 4 groups of 5): a near tie that no method here
+  orders reliably, and a race may carry a bias of a few percent from sharing one process;
 * mlp, micro-batch 32 plain against one checkpoint segment: races, two processes and probes
   put plain ahead 4 times in 5.
 
