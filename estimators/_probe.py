@@ -709,11 +709,16 @@ def _check_args(config: TrainConfig, steps: int, warmup: int, budget_bytes: int 
         raise ConfigError(f"probes run one process (strategy single); got strategy {config.strategy!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a whole number >= 1, got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ConfigError(f"warmup must be a whole number >= 0, got {warmup!r}")
     if budget_bytes is not None and (
             isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0):
         raise ConfigError(f"budget_bytes must be a whole number of bytes, got {budget_bytes!r}")
+    check_warmup_and_timeout(warmup, timeout_s)
+
+
+def check_warmup_and_timeout(warmup: int, timeout_s: float) -> None:
+    """The arguments probes and races share."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup must be a whole number >= 0, got {warmup!r}")
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
 

@@ -103,10 +103,8 @@ def check_race_args(configs: Sequence[TrainConfig], rounds: int, warmup: int,
             raise ConfigError(f"races run one process (strategy single); got strategy {c.strategy!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number >= 1, got {rounds!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ConfigError(f"warmup must be a whole number >= 0, got {warmup!r}")
-    if not timeout_s > 0:
-        raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
+    from ._probe import check_warmup_and_timeout
+    check_warmup_and_timeout(warmup, timeout_s)
     return pair[0], pair[1]
 
 

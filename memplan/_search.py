@@ -390,9 +390,9 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
 
     A probe's few steps run in one fresh process, and on this kind of shared machine the same
     configuration measures 20-40% apart from one probe to the next (the machine's speed
-    drifts over seconds), while the steps within a probe agree to a few percent. So a measured lead against the prediction is
-    as likely noise as a modelling error, and so is a measured lead of the prediction smaller
-    than ``_CLOSE``.
+    drifts over seconds), while the steps within a probe agree to a few percent. So a
+    measured lead against the prediction is as likely noise as a modelling error, and so is a
+    measured lead of the prediction smaller than ``_CLOSE``.
 
     The two are raced (``estimators._race``): one process times their steps alternately, so
     each pair of steps sees the same machine and the same process, and the median ratio over
@@ -417,21 +417,21 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     else:
         notes.append(f"the probes put {rival.config.describe()} within {lead:.0%} of the predicted best "
                      f"({predicted_first.config.describe()}), closer than separate probes can tell")
-    if race_fn is not None and not _fit_together(estimator.device, predicted_first, rival):
-        notes.append("the two do not fit on the device together, so they were not raced")
-        if lead >= 0:
-            return probed, None  # a close call: the probes' order stands
-        race_fn = None
+    unraced = ""  # why the two were not raced, when race_fn was there to race them
     if race_fn is not None:
-        result = race_fn(task, (predicted_first.config, rival.config))
-        if getattr(result, "ok", False):
-            return _settle_by_race(estimator, probed, predicted_first, rival, result, notes)
-        if lead >= 0:
-            notes.append(f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
-                         f"{getattr(result, 'message', '')}); the probes' order is kept")
-            return probed, None
-        notes.append(f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
-                     f"{getattr(result, 'message', '')}); both were probed again instead")
+        if not _fit_together(estimator.device, predicted_first, rival):
+            unraced = "the two do not fit on the device together, so they were not raced"
+        else:
+            result = race_fn(task, (predicted_first.config, rival.config))
+            if getattr(result, "ok", False):
+                return _settle_by_race(estimator, probed, predicted_first, rival, result, notes)
+            unraced = (f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
+                       f"{getattr(result, 'message', '')})")
+    if lead >= 0:  # a close call no race decided: the probes' order stands
+        notes.append(f"{unraced}; the probes' order is kept")
+        return probed, None
+    if unraced:
+        notes.append(unraced)
     return _reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes)
 
 

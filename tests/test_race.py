@@ -3,7 +3,6 @@ probe child, every failure a status, no process left behind."""
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -11,10 +10,10 @@ import pytest
 
 from estimators import TrainConfig
 from estimators._errors import ConfigError
-from estimators._probe import _zygote, shutdown
 from estimators._race import RaceResult, race
 
-from test_probe import assert_no_probe_children, write_model
+# The probe tests' fixtures: a 60 s bound per test, and one probe server for the module.
+from test_probe import assert_no_probe_children, probe_server, time_bound, write_model  # noqa: F401
 
 # Each block's forward sleeps: a checkpointed block runs it twice per step (forward, then
 # again in the backward), so the checkpointed configuration is slower whatever the machine's
@@ -43,24 +42,6 @@ def train_data():
 
 PLAIN = TrainConfig(micro_batch_size=8)
 CHECKPOINTED = TrainConfig(micro_batch_size=8, checkpoint_segments=2)
-
-
-@pytest.fixture(autouse=True)
-def time_bound():
-    def expired(signum: int, frame: object) -> None:
-        raise TimeoutError("test took more than 60 s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def probe_server():
-    _zygote().wait_ready(time.monotonic() + 120)
-    yield
-    shutdown()
 
 
 def test_race_times_both_configurations_in_alternation(tmp_path: Path) -> None:
