@@ -56,6 +56,7 @@ import torch  # noqa: E402
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
 from estimators._checkpoint import max_checkpoint_segments  # noqa: E402
 from estimators._probe import probe  # noqa: E402
+from estimators._race import race  # noqa: E402
 from memplan import _search  # noqa: E402
 from memplan._space import build_space  # noqa: E402
 
@@ -68,7 +69,8 @@ MODELS = {
 MARGIN = 0.10
 SETTLE_WITHIN = 0.80
 SETTLE_MAX = 3
-SETTLE_ROUNDS = 5
+SETTLE_RACES = 4
+SETTLE_ROUNDS = 10
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "search.md"
 
 
@@ -92,41 +94,44 @@ def global_batch_for(path: Path, arg: str) -> int:
 
 def settle(path: Path, chosen: TrainConfig, feasible: list[TrainConfig], grid: dict, global_batch: int,
            limit: int, name: str, label: str) -> dict[TrainConfig, float]:
-    """Throughput of the chosen plan's rivals relative to it, settled by paired repetition.
+    """Throughput of the chosen plan's rivals relative to it, settled by repeated races.
 
-    One probe of 5 steps per configuration (the grid's, the search's) moves by 10-40% between
-    runs on this 2-core machine, more than the gaps between the leading configurations, and
-    the machine's speed drifts over minutes. So the chosen plan and every feasible
-    configuration within SETTLE_WITHIN of the grid's best (at most SETTLE_MAX of them) are
-    probed again in SETTLE_ROUNDS rounds, back to back in rotating order. Within a round each
-    configuration's throughput is divided by the chosen plan's of the same round (a pair
-    measured under the same conditions); each configuration keeps the median of its rounds'
-    ratios. Returns those ratios (the chosen plan's is 1). This referee's cost is counted
-    neither in the search's cost nor in the grid's.
+    Separate probes cannot order configurations a few percent apart on this 2-core machine:
+    eight 40-step probes of one configuration (mlp, micro-batch 32), each in a fresh process,
+    measured 35-51 ms a step, and within one process the median of 40 steps drifts by 10-24%
+    over a minute. So every feasible configuration within SETTLE_WITHIN of the grid's best
+    (at most SETTLE_MAX of them) is compared with the chosen plan step against step:
+    SETTLE_RACES races (``estimators._race.race``, SETTLE_ROUNDS rounds each, each race a
+    fresh process, alternating which of the two is built and stepped first). A race's ratio
+    is the median of its rounds' step-time ratios; the rival keeps the median of its races'.
+    Returns those ratios (rival's throughput / the chosen plan's; the chosen plan's is 1) and
+    the races' ratios. This referee's cost is counted neither in the search's cost nor in the
+    grid's.
     """
     best_tp = max(throughput(global_batch, grid[c]["step_s"]) for c in feasible)
     leaders = sorted((c for c in feasible if throughput(global_batch, grid[c]["step_s"]) >= SETTLE_WITHIN * best_tp),
                      key=lambda c: -throughput(global_batch, grid[c]["step_s"]))[:SETTLE_MAX]
-    contenders = list(dict.fromkeys([chosen, *leaders]))
-    ratios: dict[TrainConfig, list[float]] = {c: [] for c in contenders}
-    for k in range(SETTLE_ROUNDS):
-        order = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
-        tp: dict[TrainConfig, float] = {}
-        for c in order:
-            r = probe(str(path), c, device="cpu", steps=5, warmup=2, budget_bytes=limit)
-            if r.ok and r.estimate is not None and r.estimate.step_time_s:
-                tp[c] = throughput(global_batch, r.estimate.step_time_s)
-        if tp.get(chosen):
-            for c, v in tp.items():
-                ratios[c].append(v / tp[chosen])
+    ratios: dict[TrainConfig, list[float]] = {chosen: [1.0]}
+    for rival in leaders:
+        if rival == chosen:
+            continue
+        ratios[rival] = []
+        for k in range(SETTLE_RACES):
+            pair = (chosen, rival) if k % 2 == 0 else (rival, chosen)
+            r = race(str(path), pair, rounds=SETTLE_ROUNDS, timeout_s=600)
+            if not r.ok:
+                log(f"[{name}] {label} race {pair[0].describe()} vs {pair[1].describe()}: {r.status} {r.message}")
+                continue
+            # ratio = first's step / second's: the rival's throughput over the chosen plan's.
+            ratios[rival].append(r.ratio if pair[0] == chosen else 1 / r.ratio)
     out = {c: statistics.median(v) if v else 0.0 for c, v in ratios.items()}
     log(f"[{name}] {label} settled (relative to the chosen plan): "
-        + ", ".join(f"{c.describe()} {v:.3f} (rounds {_span(ratios[c])})" for c, v in out.items()))
+        + ", ".join(f"{c.describe()} {v:.3f} (races {_span(ratios[c])})" for c, v in out.items()))
     return out, ratios
 
 
 def _span(values: list[float]) -> str:
-    """The rounds' lowest and highest ratio: how far this referee itself can be trusted."""
+    """The lowest and highest ratio (of rounds or races): how far this referee can be trusted."""
     return f"{min(values):.2f}-{max(values):.2f}" if values else "none"
 
 
@@ -237,12 +242,16 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
         out += [f"Skipped (deadline or failure): {', '.join(skipped)}", ""]
     out += ["Goals: chosen plan's measured throughput >= 95% of the grid's best feasible; chosen plan's measured peak "
             "within budget (always); search cost / grid cost <= 20%.", "",
-            f"Quality is judged on settled figures: the chosen plan and the feasible configurations within "
-            f"{100 * SETTLE_WITHIN:.0f}% of the grid's best (at most {SETTLE_MAX}) are probed in {SETTLE_ROUNDS} more "
-            "rounds, back to back in rotating order; in each round a configuration's throughput is divided by the "
-            "chosen plan's, and each keeps the median of its ratios (the rounds' lowest and highest ratio are shown: "
-            "where they straddle 1, this referee cannot tell the two apart). The single grid probe's figures are shown "
-            "beside them. The settling is not counted in either cost.", "",
+            f"Quality is judged on settled figures: each feasible configuration within {100 * SETTLE_WITHIN:.0f}% of the "
+            f"grid's best (at most {SETTLE_MAX}) is raced against the chosen plan {SETTLE_RACES} times "
+            f"(`estimators._race`: both in one fresh process, {SETTLE_ROUNDS} rounds of one optimizer step each, "
+            "alternating which goes first); a race's ratio is the median of its rounds' step-time ratios, and the "
+            "rival keeps the median of its races' (their lowest and highest are shown: where they straddle 1, this "
+            "referee cannot tell the two apart). Races are also how the search itself breaks close calls, so this "
+            "referee shares whatever bias races carry (`race.md`, `race_alone.md`: on cnn_bn races favoured one of a "
+            "pair by 8-13% where the two trained alone came within 6% of each other, either way); separate probes, "
+            "the alternative, spread by 1.45x for one configuration here (eight 40-step probes of mlp, micro-batch 32). The single grid probe's figures are "
+            "shown beside them. The settling is not counted in either cost.", "",
             "## Summary", "",
             "| model | budget | feasible (grid) | best (settled) | chosen | chosen % of best (settled) | "
             "% (single grid probe) | peak within budget | search s | grid s | cost ratio |",
@@ -251,7 +260,7 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
         for x in r["runs"]:
             out.append(
                 f"| {r['name']} | {x['label']} {mb(x['budget'])} (limit {mb(x['limit'])}) | {x['n_feasible']}/{r['space']} | "
-                f"{x['settled_best'].describe()} ({x['settled'][x['settled_best']]:.3f}x the chosen; rounds {_span(x['settled_rounds'][x['settled_best']])}) | {x['chosen'].describe()} | "
+                f"{x['settled_best'].describe()} ({x['settled'][x['settled_best']]:.3f}x the chosen; races {_span(x['settled_rounds'][x['settled_best']])}) | {x['chosen'].describe()} | "
                 f"{x['pct_settled']:.1f}% | {x['pct_grid']:.1f}% (grid best {x['best'].describe()}) | {'yes' if x['within'] else 'NO'} (search probe {mb(x['search_peak'])}, grid {mb(x['grid_peak'])}) | "
                 f"{x['search_s']:.1f} | {r['grid_s']:.1f} | {100 * x['ratio']:.0f}% |")
     out += ["", "## Details", ""]
@@ -260,8 +269,8 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
                 f"Space: {r['space']} configurations (micro {r['micros']}, segments {r['segments']}, {r['precisions']}), "
                 f"global batch {r['global_batch']}.", ""]
         for x in r["runs"]:
-            out.append(f"- {x['label']} settled, throughput relative to the chosen plan (median of {SETTLE_ROUNDS} paired rounds): "
-                       + "; ".join(f"{c.describe()} {v:.3f} (rounds {_span(x['settled_rounds'][c])})"
+            out.append(f"- {x['label']} settled, throughput relative to the chosen plan (median of {SETTLE_RACES} races of {SETTLE_ROUNDS} rounds): "
+                       + "; ".join(f"{c.describe()} {v:.3f} (races {_span(x['settled_rounds'][c])})"
                                    for c, v in x["settled"].items()))
         for x in r["runs"]:
             out.append(f"- {x['label']}: trials {x['trials']}; search's own probe of the chosen plan {x['search_tp']:.0f}/s; probed by search: {x['top_measured']}; "
