@@ -8,7 +8,8 @@ the space is small the study enumerates it (``BruteForceSampler``), else a seede
 explores it. Afterwards the best few feasible configurations are probed on the real device
 (when planning for the device at hand): probes refit the time model, an OOM marks the
 configuration infeasible, and the final ranking prefers measured figures. Probes that
-overturn the predicted best are checked by a race of the two (``estimators._race``).
+overturn the predicted best are checked by a race of the two (``estimators._race``); a race
+won along one axis (micro-batch, checkpoint segments) is followed a step or two further.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def search(
     device: str | None = None,
     gpu: str | None = None,
     trials: int = 60,
-    probe_top: int = 3,
+    probe_top: int = 2,
     seed: int | None = 0,
     storage: str | None = None,
     margin: float = 0.10,
@@ -328,9 +329,15 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
         def probe_fn(t: Task, c: TrainConfig, budget: int) -> Any:
             return real_probe(t, c, device=estimator.device, budget_bytes=budget)
 
+        def memory_fn(t: Task, c: TrainConfig, budget: int) -> Any:
+            # Its time comes from a race: one timed step after the memory steps is enough.
+            return real_probe(t, c, device=estimator.device, budget_bytes=budget, steps=1, warmup=0)
+
         if race_fn is None:
             def race_fn(t: Task, pair: tuple[TrainConfig, TrainConfig]) -> Any:
                 return real_race(t, pair, device=estimator.device)
+    else:
+        memory_fn = probe_fn
     notes: list[str] = []
     probed: list[PlanEntry] = []
     rest = _probe_order(entries)
@@ -352,17 +359,21 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
-    above: tuple[TrainConfig, TrainConfig] | None = None
+    above: list[tuple[TrainConfig, TrainConfig]] = []
     if len(probed) >= 2:
-        probed, above = _confirm_overturn(task, estimator, probed, limit, probe_fn, race_fn, notes)
+        probed, pair, raced, walk = _confirm_overturn(task, estimator, probed, limit, probe_fn, race_fn, notes)
+        above = [pair] if pair is not None else []
+        if raced and pair is not None and pair[0] != probed[0].config and race_fn is not None and walk:
+            probed, rest = _follow_trend(task, estimator, probed, rest, above, limit, memory_fn, race_fn, notes)
     # Unprobed configurations get the time model refitted by the probes.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
-    if above is not None:
+    for pair in above:
         # The confirmation ordered these two against their figures (a race's rounds, or
         # probes that could not tell the two apart): the first goes just above the second,
-        # and no further (the figures shown stay as measured).
-        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in above)
+        # and no further (the figures shown stay as measured). Pairs come in the order they
+        # were decided, so a later race's winner goes above the earlier one's.
+        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in pair)
         if measured_sorted.index(upper) > measured_sorted.index(lower):
             measured_sorted.remove(upper)
             measured_sorted.insert(measured_sorted.index(lower), upper)
@@ -384,7 +395,7 @@ _CLOSE = 0.15
 
 def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
                       race_fn: RaceFn | None,
-                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
+                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None, bool, bool]:
     """When the probes overturn the predicted order of the top configuration, or put a
     rival within reach of it, measure the two again before believing them.
 
@@ -403,14 +414,15 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     mean of its two measurements; the lead then stands only if it is larger than either
     configuration's two probes differ.
 
-    Returns the entries and, when the figures alone would not order the two as decided, the
-    pair (upper, lower) to put in that order.
+    Returns the entries, the pair (upper, lower) when the figures alone would not order the
+    two as decided, whether a race decided it, and whether the race's winner led by enough
+    (``_TREND_MIN``) to be worth following further (``_follow_trend``).
     """
     predicted_first = probed[0]  # probes run in predicted order
     rival = max(probed[1:], key=lambda e: e.samples_per_s)
     lead = predicted_first.samples_per_s / rival.samples_per_s - 1
     if lead >= _CLOSE or (lead >= 0 and race_fn is None):
-        return probed, None
+        return probed, None, False, False
     if lead < 0:
         notes.append(f"the probes put {rival.config.describe()} ahead of the predicted best "
                      f"({predicted_first.config.describe()})")
@@ -424,26 +436,27 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
         else:
             result = race_fn(task, (predicted_first.config, rival.config))
             if getattr(result, "ok", False):
-                return _settle_by_race(estimator, probed, predicted_first, rival, result, notes)
+                return (*_settle_by_race(estimator, probed, predicted_first, rival, result, notes), True,
+                        float(result.ratio) >= 1 + _TREND_MIN)
             unraced = (f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
                        f"{getattr(result, 'message', '')})")
     if lead >= 0:  # a close call no race decided: the probes' order stands
         notes.append(f"{unraced}; the probes' order is kept")
-        return probed, None
+        return probed, None, False, False
     if unraced:
         notes.append(unraced)
-    return _reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes)
+    return (*_reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes), False, False)
 
 
 def _fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
     """Can both configurations live on the device at once, as a race needs? On cuda their
-    measured reserved peaks must fit in the free memory (a race that runs out of it would
+    measured (else predicted) peaks must fit in the free memory (a race that runs out of it would
     only cost its time); a CPU's RAM holds two configurations of a budget that defaults to
     half of it."""
     if not device.startswith("cuda"):
         return True
     free, _total = torch.cuda.mem_get_info(torch.device(device))
-    need = sum(e.measured.peak_bytes if e.measured else 0 for e in (a, b))
+    need = sum((e.measured or e.predicted).peak_bytes for e in (a, b))
     return need <= free
 
 
@@ -473,6 +486,89 @@ def _settle_by_race(estimator: Estimator, probed: list[PlanEntry], predicted_fir
         notes.append(f"raced step against step, {verdict}: the predicted order is kept")
         order = (predicted_first.config, rival.config)
     return out, order
+
+
+# How many configurations beyond a race's winner the search follows its trend.
+_TREND_STEPS = 2
+# The least lead of a race's winner over the predicted best that is followed further: a
+# smaller one says the time model misjudged that axis by little, so one step further would
+# likely gain less than the 5% the plan may be off anyway, for a race's cost.
+_TREND_MIN = 0.05
+
+
+def _follow_trend(task: Task, estimator: Estimator, probed: list[PlanEntry], rest: list[PlanEntry],
+                  above: list[tuple[TrainConfig, TrainConfig]], limit: int, memory_fn: ProbeFn, race_fn: RaceFn,
+                  notes: list[str]) -> tuple[list[PlanEntry], list[PlanEntry]]:
+    """A race put a rival above the predicted best, and the two differ along one axis (the
+    micro-batch size, or the checkpoint segments): the time model misjudged that axis, and
+    the same misjudgement likely holds one step further. So the next feasible configuration
+    beyond the winner along that axis is raced against it; if it wins, a memory probe
+    confirms it fits, it takes the race's figure and goes above the winner, and the search
+    looks one step further again (at most ``_TREND_STEPS``). The first race it loses, or a
+    configuration that is not there, ends the walk. ``above`` gets each decided pair.
+
+    A CPU's caches, for one, make a smaller micro-batch's steps faster per sample than a
+    roofline of its work predicts; one probe of a neighbour is not evidence enough (probes
+    of one configuration lie 20-40% apart here), a race is.
+    """
+    winner_config, loser_config = above[-1]
+    for _ in range(_TREND_STEPS):
+        winner = next(e for e in probed if e.config == winner_config)
+        candidate = _next_along(winner_config, loser_config, rest)
+        if candidate is None or not _fit_together(estimator.device, winner, candidate):
+            break
+        result = race_fn(task, (winner_config, candidate.config))
+        if not getattr(result, "ok", False):
+            notes.append(f"{candidate.config.describe()}, one step further, was not raced "
+                         f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')})")
+            break
+        rounds = len(result.step_times[0])
+        ratio = float(result.ratio)  # > 1: the candidate's steps are the shorter
+        step = float(result.median_step_s(1))
+        estimator.calibrate(candidate.config, step)
+        if ratio <= 1 + _RACE_TIE:
+            notes.append(f"one step further, {candidate.config.describe()} raced {winner_config.describe()} and was "
+                         f"not faster (median ratio {ratio:.2f}): the walk stops")
+            break
+        checked = memory_fn(task, candidate.config, limit)
+        status = getattr(checked, "status", "error")
+        measured = getattr(checked, "estimate", None)
+        if status != "ok" or measured is None or _need(measured) > limit:
+            notes.append(f"one step further, {candidate.config.describe()} raced faster than {winner_config.describe()} "
+                         f"but its memory probe said {status if status != 'ok' else 'over the budget'}: dropped")
+            rest = [e for e in rest if e is not candidate]
+            break
+        measured = replace(measured, step_time_s=step, samples_per_s=candidate.config.global_batch / step,
+                           notes=(*measured.notes, f"time: median of {rounds} steps raced step against step "
+                                                   f"with {winner_config.describe()} in one process"))
+        notes.append(f"one step further, {candidate.config.describe()} raced {winner_config.describe()}: faster in "
+                     f"{int(result.second_wins)} of {rounds} rounds (by {ratio - 1:.0%} on the median): it goes above")
+        probed = [*probed, replace(candidate, measured=measured, probe_status="ok")]
+        rest = [e for e in rest if e is not candidate]
+        above.append((candidate.config, winner_config))
+        winner_config, loser_config = candidate.config, winner_config
+    return probed, rest
+
+
+def _next_along(winner: TrainConfig, loser: TrainConfig, candidates: list[PlanEntry]) -> PlanEntry | None:
+    """The candidate one step beyond ``winner``, away from ``loser``, along the one axis the
+    two differ in (the micro-batch size, its accumulation following it, or the checkpoint
+    segments); None when they differ in more, or nothing lies beyond."""
+    fixed = ("precision", "strategy", "world_size", "nodes")
+    if any(getattr(winner, f) != getattr(loser, f) for f in fixed):
+        return None
+    if winner.checkpoint_segments == loser.checkpoint_segments and winner.micro_batch_size != loser.micro_batch_size:
+        axis, same = "micro_batch_size", ("checkpoint_segments",)
+    elif winner.micro_batch_size == loser.micro_batch_size and winner.grad_accum_steps == loser.grad_accum_steps:
+        axis, same = "checkpoint_segments", ("micro_batch_size", "grad_accum_steps")
+    else:
+        return None
+    step = getattr(winner, axis) - getattr(loser, axis)
+    beyond = [e for e in candidates
+              if all(getattr(e.config, f) == getattr(winner, f) for f in (*fixed, *same))
+              and (getattr(e.config, axis) - getattr(winner, axis)) * step > 0
+              and e.config.global_batch == winner.global_batch and e.probe_status is None]
+    return min(beyond, key=lambda e: abs(getattr(e.config, axis) - getattr(winner, axis)), default=None)
 
 
 def _reprobe(task: Task, estimator: Estimator, probed: list[PlanEntry], predicted_first: PlanEntry,

@@ -408,14 +408,20 @@ def test_an_overturn_is_settled_by_a_race():
     # The race: the leader (second) faster in 3 of 4 rounds, by 25% on the median ratio.
     plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
                   race_fn=_race_answering(races, ((0.5, 0.5, 0.5, 0.3), (0.4, 0.4, 0.4, 0.4))))
-    first, second = calls
-    assert races == [(first, second)] and len(calls) == 2
-    assert plan.best.config == second
+    # The two differ in checkpoint segments only, and the fake race lets the second of any
+    # pair win: the walk races one more segment against the winner, which wins too and is
+    # probed for its memory (the third call); lm() has no third segment to go on to.
+    first, second, third = calls
+    assert (second.checkpoint_segments, third.checkpoint_segments) == (first.checkpoint_segments + 1, first.checkpoint_segments + 2)
+    assert races == [(first, second), (second, third)]
+    assert plan.best.config == third and plan.entries[1].config == second and plan.entries[2].config == first
     by_config = {e.config: e for e in plan.entries}
     assert by_config[second].measured.step_time_s == pytest.approx(0.4)
     assert by_config[first].measured.step_time_s == pytest.approx(0.5)
+    assert by_config[third].measured.step_time_s == pytest.approx(0.4)
     assert "raced step against step" in by_config[second].measured.notes[-1]
     assert any("faster in 3 of 4 rounds (by 25% on the median): it goes above the predicted best" in n for n in plan.notes)
+    assert any(n.startswith(f"one step further, {third.describe()} raced {second.describe()}: faster") for n in plan.notes)
 
     # The race finds the first probes' lead was noise: the predicted best goes back first.
     calls.clear()
@@ -432,6 +438,79 @@ def test_an_overturn_is_settled_by_a_race():
                   race_fn=_race_answering(races, ((0.5, 0.4, 0.4), (0.5, 0.397, 0.3))))
     assert plan.best.config == calls[0]
     assert any("the two tied: the predicted order is kept" in n for n in plan.notes)
+
+
+def _race_sequence(races: list, answers: list):
+    """A fake race answering each race in turn: step times, or None for a failed race."""
+    from estimators._race import RaceResult
+
+    def fake_race(task, pair):
+        races.append(pair)
+        step_times = answers[len(races) - 1]
+        if step_times is None:
+            return RaceResult(status="error", configs=pair, message="the race process died by SIGSEGV")
+        return RaceResult(status="ok", configs=pair, step_times=step_times)
+    return fake_race
+
+
+def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
+    from dataclasses import replace
+
+    from estimators import Estimator
+
+    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
+    rival_wins, first_wins = ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4)), ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))
+    # The walk's race is lost: the race's winner stays first, the loser is neither probed nor
+    # measured, and its race still refits the time model.
+    calls: list[TrainConfig] = []
+    races: list = []
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+                  race_fn=_race_sequence(races, [rival_wins, first_wins]))
+    first, second = calls
+    third = races[1][1]
+    assert races == [(first, second), (second, third)]
+    assert third.checkpoint_segments == second.checkpoint_segments + 1
+    assert plan.best.config == second and plan.entries[1].config == first
+    assert next(e for e in plan.entries if e.config == third).measured is None
+    assert any("was not faster (median ratio 0.80): the walk stops" in n for n in plan.notes)
+
+    # A race won by under 5% is not followed.
+    calls.clear()
+    races.clear()
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+                  race_fn=_race_sequence(races, [((0.412, 0.412, 0.412), (0.4, 0.4, 0.4))]))
+    assert len(races) == 1 and plan.best.config == calls[1]
+    assert not any("one step further" in n for n in plan.notes)
+
+    # The walk's winner fails its memory probe: dropped, the race's winner stays first.
+    calls.clear()
+    races.clear()
+    measured = _measured_probe(calls, {2: 3.0})
+
+    def probe_ooms_third(task, config, budget):
+        result = measured(task, config, budget)
+        return replace(result, status="oom", estimate=None) if len(calls) == 3 else result
+    plan = search(lm(), **kwargs, probe_fn=probe_ooms_third, race_fn=_race_sequence(races, [rival_wins, rival_wins]))
+    assert len(races) == 2 and len(calls) == 3
+    assert plan.best.config == calls[1]
+    assert calls[2] not in {e.config for e in plan.entries}
+    assert any("its memory probe said oom: dropped" in n for n in plan.notes)
+
+    # The race's winner differs from the predicted best in more than one axis, or the
+    # predicted best won: there is no walk.
+    from memplan._search import _next_along
+    from memplan._plan import PlanEntry
+    a = TrainConfig(micro_batch_size=8, grad_accum_steps=1)
+    b = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_segments=1)
+    beyond = TrainConfig(micro_batch_size=2, grad_accum_steps=4, checkpoint_segments=1)
+    est = Estimator(lm(), device="cpu")
+    entries = [PlanEntry(config=c, predicted=est.estimate(c)) for c in (beyond,)]
+    assert _next_along(b, a, entries) is None
+    smaller = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
+    further = TrainConfig(micro_batch_size=2, grad_accum_steps=4)
+    entries = [PlanEntry(config=c, predicted=est.estimate(c)) for c in (further, beyond)]
+    assert _next_along(smaller, a, entries).config == further
+    assert _next_along(a, smaller, entries) is None
 
 
 def test_a_failed_race_falls_back_to_probing_again():
@@ -499,10 +578,12 @@ def test_a_close_call_is_raced_and_a_clear_lead_is_not():
             result = replace(result, estimate=replace(result.estimate, step_time_s=step,
                                                       samples_per_s=config.global_batch / step))
         return result
+    # (The walk one step beyond the winner loses its race.)
     plan = search(lm(), **kwargs, probe_fn=probe_within,
-                  race_fn=_race_answering(races, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))))
+                  race_fn=_race_sequence(races, [((0.5, 0.5, 0.5), (0.4, 0.4, 0.4)),
+                                                 ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))]))
     first, second = calls
-    assert races == [(first, second)] and plan.best.config == second
+    assert races[0] == (first, second) and len(races) == 2 and plan.best.config == second
     assert any("within 10% of the predicted best" in n for n in plan.notes)
 
     # A rival measured far behind (3x the step) is not raced.
