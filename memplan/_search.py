@@ -504,8 +504,9 @@ def _follow_trend(task: Task, estimator: Estimator, probed: list[PlanEntry], res
     the same misjudgement likely holds one step further. So the next feasible configuration
     beyond the winner along that axis is raced against it; if it wins, a memory probe
     confirms it fits, it takes the race's figure and goes above the winner, and the search
-    looks one step further again (at most ``_TREND_STEPS``). The first race it loses, or a
-    configuration that is not there, ends the walk. ``above`` gets each decided pair.
+    looks one step further again (at most ``_TREND_STEPS``) if this step too won by
+    ``_TREND_MIN``. The first race it loses, a win by less, or a configuration that is not
+    there, ends the walk. ``above`` gets each decided pair.
 
     A CPU's caches, for one, make a smaller micro-batch's steps faster per sample than a
     roofline of its work predicts; one probe of a neighbour is not evidence enough (probes
@@ -547,6 +548,8 @@ def _follow_trend(task: Task, estimator: Estimator, probed: list[PlanEntry], res
         rest = [e for e in rest if e is not candidate]
         above.append((candidate.config, winner_config))
         winner_config, loser_config = candidate.config, winner_config
+        if ratio < 1 + _TREND_MIN:
+            break  # the gain is flattening out: a step further would likely gain less still
     return probed, rest
 
 

@@ -474,6 +474,23 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
     assert next(e for e in plan.entries if e.config == third).measured is None
     assert any("was not faster (median ratio 0.80): the walk stops" in n for n in plan.notes)
 
+    # A walk step won by under 5% is kept, but not followed further (micro-batch 8 lost to
+    # 4 x2; 2 x4 then wins by 3%, and 1 x8 is not raced).
+    from memplan._search import _follow_trend
+    from memplan._plan import PlanEntry
+    est = Estimator(lm(), device="cpu")
+    m8, m4, m2, m1 = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2, 1))
+    entry = {c: PlanEntry(config=c, predicted=est.estimate(c)) for c in (m8, m4, m2, m1)}
+    probed = [replace(entry[c], measured=entry[c].predicted, probe_status="ok") for c in (m8, m4)]
+    races.clear()
+    above = [(m4, m8)]
+    small_win = ((0.412, 0.412, 0.412), (0.4, 0.4, 0.4))
+    probed, rest = _follow_trend(lm(), est, probed, [entry[m2], entry[m1]], above, 10**9,
+                                 lambda task, c, budget: _measured_probe([], {})(task, c, budget),
+                                 _race_sequence(races, [small_win, rival_wins]), [])
+    assert races == [(m4, m2)] and above == [(m4, m8), (m2, m4)]
+    assert [e.config for e in rest] == [m1] and probed[-1].config == m2
+
     # A race won by under 5% is not followed.
     calls.clear()
     races.clear()
