@@ -93,7 +93,7 @@ def global_batch_for(path: Path, arg: str) -> int:
 
 
 def settle(path: Path, chosen: TrainConfig, feasible: list[TrainConfig], grid: dict, global_batch: int,
-           limit: int, name: str, label: str) -> dict[TrainConfig, float]:
+           limit: int, name: str, label: str) -> tuple[dict[TrainConfig, float], dict[TrainConfig, list[float]]]:
     """Throughput of the chosen plan's rivals relative to it, settled by repeated races.
 
     Separate probes cannot order configurations a few percent apart on this 2-core machine:

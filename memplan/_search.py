@@ -361,9 +361,10 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             break
     above: list[tuple[TrainConfig, TrainConfig]] = []
     if len(probed) >= 2:
-        probed, pair, raced, walk = _confirm_overturn(task, estimator, probed, limit, probe_fn, race_fn, notes)
+        probed, pair, walk = _confirm_overturn(task, estimator, probed, limit, probe_fn, race_fn, notes)
         above = [pair] if pair is not None else []
-        if raced and pair is not None and pair[0] != probed[0].config and race_fn is not None and walk:
+        if walk:
+            assert race_fn is not None
             probed, rest = _follow_trend(task, estimator, probed, rest, above, limit, memory_fn, race_fn, notes)
     # Unprobed configurations get the time model refitted by the probes.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
@@ -395,7 +396,7 @@ _CLOSE = 0.15
 
 def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
                       race_fn: RaceFn | None,
-                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None, bool, bool]:
+                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None, bool]:
     """When the probes overturn the predicted order of the top configuration, or put a
     rival within reach of it, measure the two again before believing them.
 
@@ -415,14 +416,14 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     configuration's two probes differ.
 
     Returns the entries, the pair (upper, lower) when the figures alone would not order the
-    two as decided, whether a race decided it, and whether the race's winner led by enough
+    two as decided, and whether a race put the rival above the predicted best by enough
     (``_TREND_MIN``) to be worth following further (``_follow_trend``).
     """
     predicted_first = probed[0]  # probes run in predicted order
     rival = max(probed[1:], key=lambda e: e.samples_per_s)
     lead = predicted_first.samples_per_s / rival.samples_per_s - 1
     if lead >= _CLOSE or (lead >= 0 and race_fn is None):
-        return probed, None, False, False
+        return probed, None, False
     if lead < 0:
         notes.append(f"the probes put {rival.config.describe()} ahead of the predicted best "
                      f"({predicted_first.config.describe()})")
@@ -436,16 +437,17 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
         else:
             result = race_fn(task, (predicted_first.config, rival.config))
             if getattr(result, "ok", False):
-                return (*_settle_by_race(estimator, probed, predicted_first, rival, result, notes), True,
+                # A lead of _TREND_MIN is past _RACE_TIE: the rival is the one above.
+                return (*_settle_by_race(estimator, probed, predicted_first, rival, result, notes),
                         float(result.ratio) >= 1 + _TREND_MIN)
             unraced = (f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
                        f"{getattr(result, 'message', '')})")
     if lead >= 0:  # a close call no race decided: the probes' order stands
         notes.append(f"{unraced}; the probes' order is kept")
-        return probed, None, False, False
+        return probed, None, False
     if unraced:
         notes.append(unraced)
-    return (*_reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes), False, False)
+    return (*_reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes), False)
 
 
 def _fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
@@ -469,10 +471,7 @@ def _settle_by_race(estimator: Estimator, probed: list[PlanEntry], predicted_fir
         step = float(result.median_step_s(i))
         estimator.calibrate(entry.config, step)
         assert entry.measured is not None
-        measured = replace(entry.measured, step_time_s=step, samples_per_s=entry.config.global_batch / step,
-                           notes=(*entry.measured.notes, f"time: median of {rounds} steps raced step against step "
-                                                         f"with {other.config.describe()} in one process"))
-        updated[entry.config] = replace(entry, measured=measured)
+        updated[entry.config] = replace(entry, measured=_raced(entry.measured, entry.config, step, rounds, other.config))
     out = [updated.get(e.config, e) for e in probed]
     wins = int(result.second_wins)
     if ratio > 1 + _RACE_TIE:
@@ -486,6 +485,13 @@ def _settle_by_race(estimator: Estimator, probed: list[PlanEntry], predicted_fir
         notes.append(f"raced step against step, {verdict}: the predicted order is kept")
         order = (predicted_first.config, rival.config)
     return out, order
+
+
+def _raced(measured: Estimate, config: TrainConfig, step: float, rounds: int, other: TrainConfig) -> Estimate:
+    """A probe's figures with the time a race measured in its place."""
+    return replace(measured, step_time_s=step, samples_per_s=config.global_batch / step,
+                   notes=(*measured.notes, f"time: median of {rounds} steps raced step against step "
+                                           f"with {other.describe()} in one process"))
 
 
 # How many configurations beyond a race's winner the search follows its trend.
@@ -539,9 +545,7 @@ def _follow_trend(task: Task, estimator: Estimator, probed: list[PlanEntry], res
                          f"but its memory probe said {status if status != 'ok' else 'over the budget'}: dropped")
             rest = [e for e in rest if e is not candidate]
             break
-        measured = replace(measured, step_time_s=step, samples_per_s=candidate.config.global_batch / step,
-                           notes=(*measured.notes, f"time: median of {rounds} steps raced step against step "
-                                                   f"with {winner_config.describe()} in one process"))
+        measured = _raced(measured, candidate.config, step, rounds, winner_config)
         notes.append(f"one step further, {candidate.config.describe()} raced {winner_config.describe()}: faster in "
                      f"{int(result.second_wins)} of {rounds} rounds (by {ratio - 1:.0%} on the median): it goes above")
         probed = [*probed, replace(candidate, measured=measured, probe_status="ok")]
