@@ -6,10 +6,11 @@ constraint (``trial.set_constraint``, ≤ 0 feasible) with a safety margin, so a
 configuration is a *completed* infeasible trial the sampler learns from, never a FAIL. When
 the space is small the study enumerates it (``BruteForceSampler``), else a seeded TPE sampler
 explores it. Afterwards the best few feasible configurations are probed on the real device
-(when planning for the device at hand): probes refit the time model, an OOM marks the
-configuration infeasible, and the final ranking prefers measured figures. Probes that
-overturn the predicted best are checked by a race of the two (``estimators._race``); a race
-won along one axis (micro-batch, checkpoint segments) is followed a step or two further.
+(when planning for the device at hand): the two best are raced step against step
+(``estimators._race``), a race won along one axis (micro-batch, checkpoint segments) is
+followed a step or two further, and the winner's memory is probed; measured times refit the
+time model, an OOM marks the configuration infeasible, and the final ranking prefers
+measured figures. Where no race can run, each is probed on its own.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ._study import MirroredStudy
 __all__ = ["search", "resolve_task", "estimator_for", "default_budget", "default_storage"]
 
 ProbeFn = Callable[[Task, TrainConfig, int], Any]
-# (task, (predicted best, its measured rival)) -> an estimators._race.RaceResult
+# (task, (predicted best or a race's winner, its rival)) -> an estimators._race.RaceResult
 RaceFn = Callable[[Task, tuple[TrainConfig, TrainConfig]], Any]
 
 
@@ -321,7 +322,12 @@ def _can_probe(estimator: Estimator, gpu: str | None) -> bool:
 
 def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: int, limit: int,
                 probe_fn: ProbeFn | None, race_fn: RaceFn | None) -> tuple[list[PlanEntry], list[str]]:
-    """Measure the best ``top`` feasible configurations; re-rank with what was measured."""
+    """Measure the best ``top`` feasible configurations; re-rank with what was measured.
+
+    The two best are raced (``_race_best``) when a race can run: their times come from the
+    race, and only the one it puts first has its memory probed. Otherwise, and for any
+    further ``top``, each is probed (a few timed steps and its memory) in its own process.
+    """
     if probe_fn is None:
         from estimators._probe import probe as real_probe
         from estimators._race import race as real_race
@@ -341,7 +347,17 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     notes: list[str] = []
     probed: list[PlanEntry] = []
     rest = _probe_order(entries)
-    while rest and len(probed) < top:
+    wanted = top
+    raced: list[PlanEntry] | None = None  # raced, left unmeasured (not probed again)
+    if top >= 2 and race_fn is not None and len(rest) >= 2 and _fit_together(estimator.device, rest[0], rest[1]):
+        outcome = _race_best(task, estimator, rest, limit, memory_fn, race_fn, notes)
+        if outcome is not None:
+            probed, raced, rest = outcome
+            # The race measured two. Should both be dropped, the next are probed in their place;
+            # a memory probe that failed (not for lack of memory) stops the probing, as below.
+            failed = any(e.probe_status is not None for e in raced)
+            wanted = top - 2 + len(probed) if probed or failed else top
+    while rest and len(probed) < wanted:
         entry = rest.pop(0)
         result = probe_fn(task, entry.config, limit)
         status = getattr(result, "status", "error")
@@ -360,21 +376,18 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
     above: list[tuple[TrainConfig, TrainConfig]] = []
-    if len(probed) >= 2:
-        probed, pair, walk = _confirm_overturn(task, estimator, probed, limit, probe_fn, race_fn, notes)
+    if len(probed) >= 2 and raced is None:
+        probed, pair = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
         above = [pair] if pair is not None else []
-        if walk:
-            assert race_fn is not None
-            probed, rest = _follow_trend(task, estimator, probed, rest, above, limit, memory_fn, race_fn, notes)
-    # Unprobed configurations get the time model refitted by the probes.
+    rest = (raced or []) + rest
+    # Unprobed configurations get the time model refitted by the probes and races.
     refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
-    for pair in above:
-        # The confirmation ordered these two against their figures (a race's rounds, or
-        # probes that could not tell the two apart): the first goes just above the second,
-        # and no further (the figures shown stay as measured). Pairs come in the order they
-        # were decided, so a later race's winner goes above the earlier one's.
-        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in pair)
+    for upper_config, lower_config in above:
+        # The confirmation kept the predicted order against figures that could not tell the
+        # two apart: the first goes just above the second, and no further (the figures shown
+        # stay as measured).
+        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in (upper_config, lower_config))
         if measured_sorted.index(upper) > measured_sorted.index(lower):
             measured_sorted.remove(upper)
             measured_sorted.insert(measured_sorted.index(lower), upper)
@@ -389,65 +402,100 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
 
 # A race decided by less than this share is a tie; the prediction breaks it.
 _RACE_TIE = 0.01
-# A predicted best measured ahead of its rival by less than this share is raced against it:
-# separate probes of one configuration lie 20-40% apart on a shared machine.
-_CLOSE = 0.15
+
+
+def _race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: int, memory_fn: ProbeFn,
+               race_fn: RaceFn,
+               notes: list[str]) -> tuple[list[PlanEntry], list[PlanEntry], list[PlanEntry]] | None:
+    """Race the two best predicted configurations (``rest[0]``, ``rest[1]``); follow a clear
+    win along its axis (``_follow_trend``); probe the memory of the one put first. Returns the
+    measured entry (none when each raced one failed its memory probe), the raced ones left
+    unmeasured, and the rest, or None when the race did not finish (the caller then probes them instead).
+
+    Why a race rather than a probe of each: a probe's few steps run in one fresh process,
+    and on a shared machine the same configuration measures 20-40% apart from one probe to
+    the next (its speed drifts over seconds), while the predicted best and its runner-up are
+    often predicted within a few percent of each other. A race (``estimators._race``) times
+    their steps alternately in one process, so each pair of steps sees the same machine, and
+    the median ratio over the rounds decides; a tie (under ``_RACE_TIE``) keeps the
+    prediction's order. Each raced configuration takes the race's median step time as its
+    figure (and refits the time model with it). The memory only the one that will be
+    trained needs measured, by a probe of one step.
+    """
+    first, rival = rest[0], rest[1]
+    result = race_fn(task, (first.config, rival.config))
+    if not getattr(result, "ok", False):
+        notes.append(f"the race of {first.config.describe()} against {rival.config.describe()} did not finish "
+                     f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')}); both are probed instead")
+        return None
+    rest = rest[2:]
+    rounds = len(result.step_times[0])
+    ratio = float(result.ratio)  # > 1: the rival's steps are the shorter
+    timed: dict[TrainConfig, tuple[float, int, TrainConfig]] = {}  # step s, rounds, raced against
+    for i, (entry, other) in enumerate(((first, rival), (rival, first))):
+        step = float(result.median_step_s(i))
+        estimator.calibrate(entry.config, step)
+        timed[entry.config] = (step, rounds, other.config)
+    wins = int(result.second_wins)
+    if ratio > 1 + _RACE_TIE:
+        notes.append(f"raced step against step, {rival.config.describe()} was faster than the predicted best "
+                     f"({first.config.describe()}) in {wins} of {rounds} rounds (by {ratio - 1:.0%} on the median): "
+                     "it goes above the predicted best")
+        order = [rival, first]
+        if ratio >= 1 + _TREND_MIN:
+            rest = _follow_trend(task, estimator, order, rest, timed, race_fn, notes)
+    else:
+        verdict = ("the two tied" if ratio >= 1 - _RACE_TIE else
+                   f"{first.config.describe()} was faster in {rounds - wins} of {rounds} rounds "
+                   f"(by {1 / ratio - 1:.0%} on the median)")
+        notes.append(f"raced step against step with {rival.config.describe()}, {verdict}: the predicted order is kept")
+        order = [first, rival]
+    probed, unmeasured = _check_memory(task, order, timed, limit, memory_fn, notes)
+    return probed, unmeasured, rest
+
+
+def _check_memory(task: Task, order: list[PlanEntry], timed: dict[TrainConfig, tuple[float, int, TrainConfig]],
+                  limit: int, memory_fn: ProbeFn, notes: list[str]) -> tuple[list[PlanEntry], list[PlanEntry]]:
+    """Probe the memory of the raced configurations, fastest first, until one fits: it is
+    measured (its time the race's), one that runs out of memory or over the budget is
+    dropped, and the others stay unmeasured (their races refitted their predictions)."""
+    for i, entry in enumerate(order):
+        result = memory_fn(task, entry.config, limit)
+        status = getattr(result, "status", "error")
+        measured = getattr(result, "estimate", None)
+        if status == "ok" and measured is not None and _need(measured) <= limit:
+            step, rounds, other = timed[entry.config]
+            entry = replace(entry, measured=_raced(measured, entry.config, step, rounds, other), probe_status="ok")
+            return [entry], order[i + 1:]
+        if status == "oom":
+            notes.append(f"{entry.config.describe()} raced fastest but ran out of memory when probed; dropped")
+        elif status == "ok" and measured is not None:
+            notes.append(f"{entry.config.describe()} raced fastest but measured {format_size(measured.peak_bytes)}, "
+                         "over the budget; dropped")
+        else:
+            notes.append(f"{entry.config.describe()}: memory probe {status} ({getattr(result, 'message', '')}); "
+                         "kept unmeasured")
+            return [], [replace(entry, probe_status=status), *order[i + 1:]]
+    return [], []
 
 
 def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
-                      race_fn: RaceFn | None,
-                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None, bool]:
-    """When the probes overturn the predicted order of the top configuration, or put a
-    rival within reach of it, measure the two again before believing them.
+                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
+    """When separate probes overturn the predicted order of the top configuration (no race
+    could be run), probe the two again before believing them.
 
-    A probe's few steps run in one fresh process, and on this kind of shared machine the same
-    configuration measures 20-40% apart from one probe to the next (the machine's speed
-    drifts over seconds), while the steps within a probe agree to a few percent. So a
-    measured lead against the prediction is as likely noise as a modelling error, and so is a
-    measured lead of the prediction smaller than ``_CLOSE``.
-
-    The two are raced (``estimators._race``): one process times their steps alternately, so
-    each pair of steps sees the same machine and the same process, and the median ratio over
-    the rounds decides; both take the race's median step times as their figures. A tie
-    (under 1%) keeps the prediction's order. When no race can run (it failed, no
-    ``race_fn``, or on cuda the two do not fit in the free memory together) and the probes
-    overturned the prediction, both are probed again in the other order and each keeps the
-    mean of its two measurements; the lead then stands only if it is larger than either
-    configuration's two probes differ.
-
-    Returns the entries, the pair (upper, lower) when the figures alone would not order the
-    two as decided, and whether a race put the rival above the predicted best by enough
-    (``_TREND_MIN``) to be worth following further (``_follow_trend``).
+    Both are probed again in the other order and each keeps the mean of its two
+    measurements; the lead then stands only if it is larger than either configuration's two
+    probes differ. Returns the entries, and the pair (upper, lower) when the figures alone
+    would not order the two as decided.
     """
     predicted_first = probed[0]  # probes run in predicted order
     rival = max(probed[1:], key=lambda e: e.samples_per_s)
-    lead = predicted_first.samples_per_s / rival.samples_per_s - 1
-    if lead >= _CLOSE or (lead >= 0 and race_fn is None):
-        return probed, None, False
-    if lead < 0:
-        notes.append(f"the probes put {rival.config.describe()} ahead of the predicted best "
-                     f"({predicted_first.config.describe()})")
-    else:
-        notes.append(f"the probes put {rival.config.describe()} within {lead:.0%} of the predicted best "
-                     f"({predicted_first.config.describe()}), closer than separate probes can tell")
-    unraced = ""  # why the two were not raced, when race_fn was there to race them
-    if race_fn is not None:
-        if not _fit_together(estimator.device, predicted_first, rival):
-            unraced = "the two do not fit on the device together, so they were not raced"
-        else:
-            result = race_fn(task, (predicted_first.config, rival.config))
-            if getattr(result, "ok", False):
-                # A lead of _TREND_MIN is past _RACE_TIE: the rival is the one above.
-                return (*_settle_by_race(estimator, probed, predicted_first, rival, result, notes),
-                        float(result.ratio) >= 1 + _TREND_MIN)
-            unraced = (f"the race of the two did not finish ({getattr(result, 'status', 'error')}: "
-                       f"{getattr(result, 'message', '')})")
-    if lead >= 0:  # a close call no race decided: the probes' order stands
-        notes.append(f"{unraced}; the probes' order is kept")
-        return probed, None, False
-    if unraced:
-        notes.append(unraced)
-    return (*_reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes), False)
+    if predicted_first.samples_per_s >= rival.samples_per_s:
+        return probed, None
+    notes.append(f"the probes put {rival.config.describe()} ahead of the predicted best "
+                 f"({predicted_first.config.describe()})")
+    return _reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes)
 
 
 def _fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
@@ -460,31 +508,6 @@ def _fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     need = sum((e.measured or e.predicted).peak_bytes for e in (a, b))
     return need <= free
-
-
-def _settle_by_race(estimator: Estimator, probed: list[PlanEntry], predicted_first: PlanEntry, rival: PlanEntry,
-                    result: Any, notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
-    rounds = len(result.step_times[0])
-    ratio = float(result.ratio)  # > 1: the rival's steps are the shorter
-    updated: dict[TrainConfig, PlanEntry] = {}
-    for i, (entry, other) in enumerate(((predicted_first, rival), (rival, predicted_first))):
-        step = float(result.median_step_s(i))
-        estimator.calibrate(entry.config, step)
-        assert entry.measured is not None
-        updated[entry.config] = replace(entry, measured=_raced(entry.measured, entry.config, step, rounds, other.config))
-    out = [updated.get(e.config, e) for e in probed]
-    wins = int(result.second_wins)
-    if ratio > 1 + _RACE_TIE:
-        notes.append(f"raced step against step, {rival.config.describe()} was faster in {wins} of {rounds} "
-                     f"rounds (by {ratio - 1:.0%} on the median): it goes above the predicted best")
-        order = (rival.config, predicted_first.config)
-    else:
-        verdict = ("the two tied" if ratio >= 1 - _RACE_TIE else
-                   f"{predicted_first.config.describe()} was faster in {rounds - wins} of {rounds} rounds "
-                   f"(by {1 / ratio - 1:.0%} on the median)")
-        notes.append(f"raced step against step, {verdict}: the predicted order is kept")
-        order = (predicted_first.config, rival.config)
-    return out, order
 
 
 def _raced(measured: Estimate, config: TrainConfig, step: float, rounds: int, other: TrainConfig) -> Estimate:
@@ -502,29 +525,28 @@ _TREND_STEPS = 2
 _TREND_MIN = 0.05
 
 
-def _follow_trend(task: Task, estimator: Estimator, probed: list[PlanEntry], rest: list[PlanEntry],
-                  above: list[tuple[TrainConfig, TrainConfig]], limit: int, memory_fn: ProbeFn, race_fn: RaceFn,
-                  notes: list[str]) -> tuple[list[PlanEntry], list[PlanEntry]]:
-    """A race put a rival above the predicted best, and the two differ along one axis (the
-    micro-batch size, or the checkpoint segments): the time model misjudged that axis, and
-    the same misjudgement likely holds one step further. So the next feasible configuration
-    beyond the winner along that axis is raced against it; if it wins, a memory probe
-    confirms it fits, it takes the race's figure and goes above the winner, and the search
-    looks one step further again (at most ``_TREND_STEPS``) if this step too won by
-    ``_TREND_MIN``. The first race it loses, a win by less, or a configuration that is not
-    there, ends the walk. ``above`` gets each decided pair.
+def _follow_trend(task: Task, estimator: Estimator, order: list[PlanEntry], rest: list[PlanEntry],
+                  timed: dict[TrainConfig, tuple[float, int, TrainConfig]], race_fn: RaceFn,
+                  notes: list[str]) -> list[PlanEntry]:
+    """A race put ``order[0]`` above the predicted best ``order[1]`` by ``_TREND_MIN`` or
+    more, and if the two differ along one axis (the micro-batch size, or the checkpoint
+    segments) the time model misjudged that axis, and the same misjudgement likely holds one
+    step further. So the next feasible configuration beyond the winner along that axis is
+    raced against it; if it wins, it goes first in ``order`` (and ``timed`` gets its figure),
+    and the search looks one step further again (at most ``_TREND_STEPS``) if this step too
+    won by ``_TREND_MIN``. The first race it loses, a win by less, or a configuration that is
+    not there, ends the walk. Returns ``rest`` without the configurations put in ``order``.
 
     A CPU's caches, for one, make a smaller micro-batch's steps faster per sample than a
     roofline of its work predicts; one probe of a neighbour is not evidence enough (probes
     of one configuration lie 20-40% apart here), a race is.
     """
-    winner_config, loser_config = above[-1]
+    winner, loser = order[0], order[1]
     for _ in range(_TREND_STEPS):
-        winner = next(e for e in probed if e.config == winner_config)
-        candidate = _next_along(winner_config, loser_config, rest)
+        candidate = _next_along(winner.config, loser.config, rest)
         if candidate is None or not _fit_together(estimator.device, winner, candidate):
             break
-        result = race_fn(task, (winner_config, candidate.config))
+        result = race_fn(task, (winner.config, candidate.config))
         if not getattr(result, "ok", False):
             notes.append(f"{candidate.config.describe()}, one step further, was not raced "
                          f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')})")
@@ -534,27 +556,18 @@ def _follow_trend(task: Task, estimator: Estimator, probed: list[PlanEntry], res
         step = float(result.median_step_s(1))
         estimator.calibrate(candidate.config, step)
         if ratio <= 1 + _RACE_TIE:
-            notes.append(f"one step further, {candidate.config.describe()} raced {winner_config.describe()} and was "
+            notes.append(f"one step further, {candidate.config.describe()} raced {winner.config.describe()} and was "
                          f"not faster (median ratio {ratio:.2f}): the walk stops")
             break
-        checked = memory_fn(task, candidate.config, limit)
-        status = getattr(checked, "status", "error")
-        measured = getattr(checked, "estimate", None)
-        if status != "ok" or measured is None or _need(measured) > limit:
-            notes.append(f"one step further, {candidate.config.describe()} raced faster than {winner_config.describe()} "
-                         f"but its memory probe said {status if status != 'ok' else 'over the budget'}: dropped")
-            rest = [e for e in rest if e is not candidate]
-            break
-        measured = _raced(measured, candidate.config, step, rounds, winner_config)
-        notes.append(f"one step further, {candidate.config.describe()} raced {winner_config.describe()}: faster in "
+        notes.append(f"one step further, {candidate.config.describe()} raced {winner.config.describe()}: faster in "
                      f"{int(result.second_wins)} of {rounds} rounds (by {ratio - 1:.0%} on the median): it goes above")
-        probed = [*probed, replace(candidate, measured=measured, probe_status="ok")]
         rest = [e for e in rest if e is not candidate]
-        above.append((candidate.config, winner_config))
-        winner_config, loser_config = candidate.config, winner_config
+        order.insert(0, candidate)
+        timed[candidate.config] = (step, rounds, winner.config)
+        winner, loser = candidate, winner
         if ratio < 1 + _TREND_MIN:
             break  # the gain is flattening out: a step further would likely gain less still
-    return probed, rest
+    return rest
 
 
 def _next_along(winner: TrainConfig, loser: TrainConfig, candidates: list[PlanEntry]) -> PlanEntry | None:

@@ -400,43 +400,44 @@ def _race_answering(races: list, step_times):
     return fake_race
 
 
-def test_an_overturn_is_settled_by_a_race():
-    # The second probe measures 3x fast: the two are raced, not probed again.
+def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
     calls: list[TrainConfig] = []
     races: list = []
     kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
-    # The race: the leader (second) faster in 3 of 4 rounds, by 25% on the median ratio.
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+    # The rival faster in 3 of 4 rounds, by 25% on the median ratio.
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
                   race_fn=_race_answering(races, ((0.5, 0.5, 0.5, 0.3), (0.4, 0.4, 0.4, 0.4))))
     # The two differ in checkpoint segments only, and the fake race lets the second of any
-    # pair win: the walk races one more segment against the winner, which wins too and is
-    # probed for its memory (the third call); lm() has no third segment to go on to.
-    first, second, third = calls
+    # pair win: the walk races one more segment against the winner, which wins too; lm() has
+    # no third segment to go on to. Only the last winner's memory is probed.
+    (first, second), (_, third) = races
+    assert races[1][0] == second and len(races) == 2
     assert (second.checkpoint_segments, third.checkpoint_segments) == (first.checkpoint_segments + 1, first.checkpoint_segments + 2)
-    assert races == [(first, second), (second, third)]
-    assert plan.best.config == third and plan.entries[1].config == second and plan.entries[2].config == first
+    assert calls == [third]
+    assert plan.best.config == third
+    assert plan.best.measured.step_time_s == pytest.approx(0.4)  # the race's median, not the probe's
+    assert f"raced step against step with {second.describe()}" in plan.best.measured.notes[-1]
     by_config = {e.config: e for e in plan.entries}
-    assert by_config[second].measured.step_time_s == pytest.approx(0.4)
-    assert by_config[first].measured.step_time_s == pytest.approx(0.5)
-    assert by_config[third].measured.step_time_s == pytest.approx(0.4)
-    assert "raced step against step" in by_config[second].measured.notes[-1]
-    assert any("faster in 3 of 4 rounds (by 25% on the median): it goes above the predicted best" in n for n in plan.notes)
+    assert by_config[first].measured is None and by_config[second].measured is None
+    assert any("faster than the predicted best" in n and "in 3 of 4 rounds (by 25% on the median): it goes above the "
+               "predicted best" in n for n in plan.notes)
     assert any(n.startswith(f"one step further, {third.describe()} raced {second.describe()}: faster") for n in plan.notes)
 
-    # The race finds the first probes' lead was noise: the predicted best goes back first.
+    # The predicted best wins: it alone is probed, and nothing is walked.
     calls.clear()
     races.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
                   race_fn=_race_answering(races, ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))))
-    assert plan.best.config == calls[0] and len(races) == 1
+    assert len(races) == 1 and calls == [races[0][0]] and plan.best.config == races[0][0]
     assert any("was faster in 3 of 3 rounds" in n and "the predicted order is kept" in n for n in plan.notes)
 
     # A tie (the median ratio within 1%) keeps the prediction's order, even where the
-    # medians of the times alone would put the leader first.
+    # medians of the times alone would put the rival first.
     calls.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+    races.clear()
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
                   race_fn=_race_answering(races, ((0.5, 0.4, 0.4), (0.5, 0.397, 0.3))))
-    assert plan.best.config == calls[0]
+    assert plan.best.config == races[0][0] == calls[0]
     assert any("the two tied: the predicted order is kept" in n for n in plan.notes)
 
 
@@ -454,73 +455,67 @@ def _race_sequence(races: list, answers: list):
 
 
 def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
-    from dataclasses import replace
-
     from estimators import Estimator
 
     kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
     rival_wins, first_wins = ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4)), ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))
-    # The walk's race is lost: the race's winner stays first, the loser is neither probed nor
-    # measured, and its race still refits the time model.
+    # The walk's race is lost: the first race's winner stays first and is the one probed;
+    # the walk's loser is unmeasured, its race still refits the time model.
     calls: list[TrainConfig] = []
     races: list = []
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
                   race_fn=_race_sequence(races, [rival_wins, first_wins]))
-    first, second = calls
-    third = races[1][1]
-    assert races == [(first, second), (second, third)]
-    assert third.checkpoint_segments == second.checkpoint_segments + 1
-    assert plan.best.config == second and plan.entries[1].config == first
+    (first, second), (_, third) = races
+    assert races[1][0] == second and third.checkpoint_segments == second.checkpoint_segments + 1
+    assert calls == [second] and plan.best.config == second
     assert next(e for e in plan.entries if e.config == third).measured is None
     assert any("was not faster (median ratio 0.80): the walk stops" in n for n in plan.notes)
 
     # A walk step won by under 5% is kept, but not followed further (micro-batch 8 lost to
     # 4 x2; 2 x4 then wins by 3%, and 1 x8 is not raced).
-    from memplan._search import _follow_trend
     from memplan._plan import PlanEntry
+    from memplan._search import _follow_trend
     est = Estimator(lm(), device="cpu")
     m8, m4, m2, m1 = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2, 1))
     entry = {c: PlanEntry(config=c, predicted=est.estimate(c)) for c in (m8, m4, m2, m1)}
-    probed = [replace(entry[c], measured=entry[c].predicted, probe_status="ok") for c in (m8, m4)]
     races.clear()
-    above = [(m4, m8)]
+    order = [entry[m4], entry[m8]]
+    timed = {m4: (0.4, 3, m8), m8: (0.5, 3, m4)}
     small_win = ((0.412, 0.412, 0.412), (0.4, 0.4, 0.4))
-    probed, rest = _follow_trend(lm(), est, probed, [entry[m2], entry[m1]], above, 10**9,
-                                 lambda task, c, budget: _measured_probe([], {})(task, c, budget),
-                                 _race_sequence(races, [small_win, rival_wins]), [])
-    assert races == [(m4, m2)] and above == [(m4, m8), (m2, m4)]
-    assert [e.config for e in rest] == [m1] and probed[-1].config == m2
+    rest = _follow_trend(lm(), est, order, [entry[m2], entry[m1]], timed,
+                         _race_sequence(races, [small_win, rival_wins]), [])
+    assert races == [(m4, m2)] and [e.config for e in order] == [m2, m4, m8]
+    assert [e.config for e in rest] == [m1] and timed[m2] == (pytest.approx(0.4), 3, m4)
 
     # A race won by under 5% is not followed.
     calls.clear()
     races.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 3.0}),
+    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
                   race_fn=_race_sequence(races, [((0.412, 0.412, 0.412), (0.4, 0.4, 0.4))]))
-    assert len(races) == 1 and plan.best.config == calls[1]
+    assert len(races) == 1 and plan.best.config == races[0][1] == calls[0]
     assert not any("one step further" in n for n in plan.notes)
 
-    # The walk's winner fails its memory probe: dropped, the race's winner stays first.
+    # The walk's winner fails its memory probe: dropped, and the one it beat is probed.
     calls.clear()
     races.clear()
-    measured = _measured_probe(calls, {2: 3.0})
+    measured = _measured_probe(calls, {})
 
-    def probe_ooms_third(task, config, budget):
+    def probe_ooms_first(task, config, budget):
         result = measured(task, config, budget)
-        return replace(result, status="oom", estimate=None) if len(calls) == 3 else result
-    plan = search(lm(), **kwargs, probe_fn=probe_ooms_third, race_fn=_race_sequence(races, [rival_wins, rival_wins]))
-    assert len(races) == 2 and len(calls) == 3
-    assert plan.best.config == calls[1]
-    assert calls[2] not in {e.config for e in plan.entries}
-    assert any("its memory probe said oom: dropped" in n for n in plan.notes)
+        return replace(result, status="oom", estimate=None) if len(calls) == 1 else result
+    from dataclasses import replace
+    plan = search(lm(), **kwargs, probe_fn=probe_ooms_first, race_fn=_race_sequence(races, [rival_wins, rival_wins]))
+    (first, second), (_, third) = races
+    assert calls == [third, second] and plan.best.config == second
+    assert third not in {e.config for e in plan.entries}
+    assert any(f"{third.describe()} raced fastest but ran out of memory when probed; dropped" in n for n in plan.notes)
 
     # The race's winner differs from the predicted best in more than one axis, or the
     # predicted best won: there is no walk.
     from memplan._search import _next_along
-    from memplan._plan import PlanEntry
     a = TrainConfig(micro_batch_size=8, grad_accum_steps=1)
     b = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_segments=1)
     beyond = TrainConfig(micro_batch_size=2, grad_accum_steps=4, checkpoint_segments=1)
-    est = Estimator(lm(), device="cpu")
     entries = [PlanEntry(config=c, predicted=est.estimate(c)) for c in (beyond,)]
     assert _next_along(b, a, entries) is None
     smaller = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
@@ -530,22 +525,65 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
     assert _next_along(a, smaller, entries) is None
 
 
-def test_a_failed_race_falls_back_to_probing_again():
+def test_after_a_race_memory_failures_and_a_larger_probe_top():
+    from dataclasses import replace
+    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, precisions=["fp32"])
+    first_wins = ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))
+    # probe_top=3: the race measures two, and the next configuration is probed in full.
+    calls: list[TrainConfig] = []
+    races: list = []
+    plan = search(lm(), **kwargs, probe_top=3, probe_fn=_measured_probe(calls, {}),
+                  race_fn=_race_sequence(races, [first_wins]))
+    (first, second), = races
+    assert calls[0] == first and len(calls) == 2 and calls[1] not in (first, second)
+    assert [e.config for e in plan.entries if e.measured is not None] in ([first, calls[1]], [calls[1], first])
+
+    # Both raced configurations run out of memory: the next two are probed in full instead.
+    calls.clear()
+    races.clear()
+    measured = _measured_probe(calls, {})
+
+    def oom_twice(task, config, budget):
+        result = measured(task, config, budget)
+        return replace(result, status="oom", estimate=None) if len(calls) <= 2 else result
+    plan = search(lm(), **kwargs, probe_top=2, probe_fn=oom_twice, race_fn=_race_sequence(races, [first_wins]))
+    (first, second), = races
+    assert calls[:2] == [first, second] and len(calls) == 4 and not {first, second} & set(calls[2:])
+    assert {e.config for e in plan.entries if e.measured is not None} == set(calls[2:])
+    assert first not in {e.config for e in plan.entries} and second not in {e.config for e in plan.entries}
+
+    # A memory probe that fails for another reason keeps the configuration, unmeasured, and
+    # probes nothing further.
+    calls.clear()
+    races.clear()
+
+    def crashes(task, config, budget):
+        result = measured(task, config, budget)
+        return replace(result, status="error", estimate=None, message="the probe process died by SIGSEGV")
+    plan = search(lm(), **kwargs, probe_top=2, probe_fn=crashes, race_fn=_race_sequence(races, [first_wins]))
+    (first, second), = races
+    assert calls == [first] and all(e.measured is None for e in plan.entries)
+    assert {first, second} <= {e.config for e in plan.entries}
+    assert any("memory probe error (the probe process died by SIGSEGV); kept unmeasured" in n for n in plan.notes)
+
+
+def test_a_failed_race_falls_back_to_probing():
     calls: list[TrainConfig] = []
     races: list = []
     plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
                   probe_fn=_measured_probe(calls, {2: 3.0}), race_fn=_race_answering(races, None))
-    first, second = calls[:2]
-    assert len(races) == 1 and calls[2:] == [second, first]
-    assert any("did not finish (error: the race process died by SIGSEGV)" in n for n in plan.notes)
+    first, second = races[0]
+    assert len(races) == 1 and calls == [first, second, second, first]
+    assert any("did not finish (error: the race process died by SIGSEGV); both are probed instead" in n
+               for n in plan.notes)
     # The second's two probes lie 3x apart: the prediction's order is kept, as without a race.
     assert plan.best.config == first
+    assert any("the predicted order is kept" in n for n in plan.notes)
 
 
-def test_search_races_for_real_when_the_probes_overturn_the_prediction(tmp_path):
+def test_search_races_for_real(tmp_path):
     # Real races of a model whose blocks sleep: more micro-batches or checkpointed blocks
-    # sleep more, so the predicted best is also the truly fastest. A fake probe makes the
-    # second probed configuration look 3x fast; the race puts it back.
+    # sleep more, so the predicted best is also the truly fastest, and the race says so.
     from estimators import load_task
     from estimators._probe import shutdown
     from estimators._race import race
@@ -562,53 +600,17 @@ def test_search_races_for_real_when_the_probes_overturn_the_prediction(tmp_path)
         return race(t, pair, rounds=4, warmup=1)
     try:
         plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
-                      probe_fn=_measured_probe(calls, {2: 3.0}), race_fn=real_race)
+                      probe_fn=_measured_probe(calls, {}), race_fn=real_race)
     finally:
         shutdown()
-    first, second = calls
+    (first, second), = races
     assert (first.micro_batch_size, first.checkpoint_segments) == (8, 0)
-    assert races == [(first, second)]
-    assert plan.best.config == first
-    by_config = {e.config: e for e in plan.entries}
-    # The race's own step times: two 10 ms sleeps a plain step at least.
-    assert by_config[first].measured.step_time_s >= 0.02
-    assert by_config[first].measured.step_time_s < by_config[second].measured.step_time_s
+    assert calls == [first] and plan.best.config == first
+    # The race's own step time: two 10 ms sleeps a plain step at least.
+    assert plan.best.measured.step_time_s >= 0.02
+    assert "raced step against step" in plan.best.measured.notes[-1]
+    assert next(e for e in plan.entries if e.config == second).measured is None
     assert any("the predicted order is kept" in n for n in plan.notes)
-
-
-def test_a_close_call_is_raced_and_a_clear_lead_is_not():
-    calls: list[TrainConfig] = []
-    races: list = []
-    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
-    # The probes agree with the prediction, but the rival measures within reach of the best
-    # (its step 1.1x the best's): the race decides, and finds the rival faster.
-    from estimators import Estimator
-    est = Estimator(lm(), device="cpu")
-
-    measured_probe = _measured_probe(calls, {})
-
-    def probe_within(task, config, budget):
-        from dataclasses import replace
-        result = measured_probe(task, config, budget)
-        if len(calls) == 2:  # the rival: 1.1x the first's step
-            step = est.estimate(calls[0]).step_time_s * 1.1
-            result = replace(result, estimate=replace(result.estimate, step_time_s=step,
-                                                      samples_per_s=config.global_batch / step))
-        return result
-    # (The walk one step beyond the winner loses its race.)
-    plan = search(lm(), **kwargs, probe_fn=probe_within,
-                  race_fn=_race_sequence(races, [((0.5, 0.5, 0.5), (0.4, 0.4, 0.4)),
-                                                 ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))]))
-    first, second = calls
-    assert races[0] == (first, second) and len(races) == 2 and plan.best.config == second
-    assert any("within 10% of the predicted best" in n for n in plan.notes)
-
-    # A rival measured far behind (3x the step) is not raced.
-    calls.clear()
-    races.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {2: 1 / 3}),
-                  race_fn=_race_answering(races, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))))
-    assert races == [] and plan.best.config == calls[0]
 
 
 def test_a_race_on_cuda_needs_both_configurations_to_fit_together(monkeypatch):
