@@ -161,7 +161,8 @@ def search(
     memory of the local GPU, the card's memory for ``gpu=``, or half the available RAM on CPU.
     ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
     with real steps when the target is the device at hand (not for a ``gpu=`` card that is
-    absent). Raises :class:`NoFeasiblePlanError` when nothing fits.
+    absent): from two on, the two best are raced against each other and the winner's memory
+    is probed. Raises :class:`NoFeasiblePlanError` when nothing fits.
 
     ``gpus`` devices per node on ``nodes`` machines: one device searches single-device
     training; more search DDP and FSDP2 over all of them (``strategies`` narrows that), with
@@ -169,7 +170,8 @@ def search(
     configurations are ranked by prediction (a probe runs one process).
 
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
-    alone, probes that overturn the prediction are confirmed by probing again, not by a race.
+    alone the best are probed, and probes that overturn the prediction are confirmed by
+    probing again, not by a race.
 
     >>> plan = search("examples/digits.py", vram="1GB", trials=20)   # doctest: +SKIP
     >>> plan.config.micro_batch_size                                  # doctest: +SKIP
@@ -445,10 +447,11 @@ def _race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: i
         if ratio >= 1 + _TREND_MIN:
             rest = _follow_trend(task, estimator, order, rest, timed, race_fn, notes)
     else:
-        verdict = ("the two tied" if ratio >= 1 - _RACE_TIE else
-                   f"{first.config.describe()} was faster in {rounds - wins} of {rounds} rounds "
+        verdict = (f"tied with {rival.config.describe()}" if ratio >= 1 - _RACE_TIE else
+                   f"was faster than {rival.config.describe()} in {rounds - wins} of {rounds} rounds "
                    f"(by {1 / ratio - 1:.0%} on the median)")
-        notes.append(f"raced step against step with {rival.config.describe()}, {verdict}: the predicted order is kept")
+        notes.append(f"raced step against step, the predicted best ({first.config.describe()}) {verdict}: "
+                     "the predicted order is kept")
         order = [first, rival]
     probed, unmeasured = _check_memory(task, order, timed, limit, memory_fn, notes)
     return probed, unmeasured, rest
