@@ -23,6 +23,7 @@ reduced the same way for search and grid: a fixed global batch (by default each 
 (``--precisions``).
 
     python benchmarks/search_quality.py [--models digits,mlp,cnn_bn,gpt_tied] [--global-batch model|N]
+    (--models may also name any other file in benchmarks/models, e.g. frozen_backbone,moe_dynamic)
         [--precisions fp32] [--out FILE]
 """
 
@@ -66,6 +67,9 @@ MODELS = {
     "cnn_bn": ROOT / "benchmarks" / "models" / "cnn_bn.py",
     "gpt_tied": ROOT / "benchmarks" / "models" / "gpt_tied.py",
 }
+# The other benchmark models (frozen parts, data-dependent shapes, an encoder-decoder, …):
+# chosen with --models; the default run is the four above.
+MORE_MODELS = {p.stem: p for p in sorted((ROOT / "benchmarks" / "models").glob("*.py")) if p.stem not in MODELS}
 MARGIN = 0.10
 SETTLE_WITHIN = 0.80
 SETTLE_MAX = 3
@@ -305,6 +309,10 @@ def main() -> None:
         hh, mm = (int(v) for v in args.deadline_utc.split(":"))
         deadline = now.replace(hour=hh, minute=mm, second=0).timestamp()
     precisions = tuple(args.precisions.split(","))
+    known = {**MODELS, **MORE_MODELS}
+    unknown = [n for n in args.models.split(",") if n not in known]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     results, skipped = [], []
     outp = Path(args.out)
     for name in args.models.split(","):
@@ -312,7 +320,7 @@ def main() -> None:
             skipped.append(name)
             continue
         try:
-            results.append(run_model(name, MODELS[name], global_batch_for(MODELS[name], args.global_batch),
+            results.append(run_model(name, known[name], global_batch_for(known[name], args.global_batch),
                                      precisions, deadline))
         except Exception as exc:  # noqa: BLE001
             log(f"[{name}] failed: {type(exc).__name__}: {exc}")
