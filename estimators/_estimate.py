@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +32,9 @@ from ._distributed import FsdpUnits
 from ._errors import ConfigError
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
-from ._timing import DeviceRates, OpCosts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts
+from ._timing import (
+    DeviceRates, OpCosts, StepTimeParts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts,
+)
 from ._trace import Category, DataDependentShapes, Trace, trace_step
 from ._trace_worker import TraceWorker, WorkerDied, worker_available
 from ._workspace import (WORKSPACE_ANCHORS, WorkspaceFit, aligned_workspaces, borrowed_workspaces, fit_key,
@@ -85,6 +87,12 @@ class Estimate:
     step_time_s: float | None = None
     samples_per_s: float | None = None
     notes: tuple[str, ...] = ()
+    time_parts: Mapping[str, float] | None = None
+    """A prediction's step time before calibration, in the parts probes refit: ``overhead``
+    (per-op fixed cost), the roofline work per op dtype (``float32``, ``bfloat16``, …), and
+    ``fixed`` (exposed communication, which calibration leaves alone); seconds. Kept so that a
+    stored prediction (a resumed study's) can be recalibrated, and can calibrate, without its
+    trace. None for measurements."""
 
     @property
     def peak_bytes(self) -> int:
@@ -105,6 +113,22 @@ class Estimate:
         d["config"] = TrainConfig.from_dict(d["config"])
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
+
+
+_CALIBRATED = "step time calibrated on "
+
+
+def _calibrated_note(points: int) -> str:
+    return f"{_CALIBRATED}{points} probe(s)"
+
+
+def _stored_parts(estimate: Estimate) -> StepTimeParts | None:
+    """The uncalibrated step-time parts a prediction carries (``Estimate.time_parts``)."""
+    stored = estimate.time_parts
+    if stored is None or "overhead" not in stored:
+        return None
+    work = {k: float(v) for k, v in stored.items() if k not in ("overhead", "fixed")}
+    return StepTimeParts(float(stored["overhead"]), work)
 
 
 def resolve_target(device: str | None, gpu: str | None) -> tuple[Device, GPUSpec | None]:
@@ -354,15 +378,40 @@ class Estimator:
             self._rates = gpu_rates(self.spec) if self.spec is not None else cpu_rates()
         return self._rates
 
-    def calibrate(self, config: TrainConfig, measured_step_time_s: float) -> None:
+    def calibrate(self, config: TrainConfig, measured_step_time_s: float, *,
+                  predicted: Estimate | None = None) -> None:
         """Refit the step-time model with a probe's measurement of ``config``: the per-op
         fixed cost and the work are refitted apart once probes differ in their mix of the two
-        (see ``TimeCalibration``)."""
+        (see ``TimeCalibration``). ``predicted``, this estimator's prediction of ``config``
+        (from a resumed study, say), saves tracing it again."""
         self.check_config(config)
+        parts = _stored_parts(predicted) if predicted is not None and predicted.config == config else None
         with self._lock:
-            p, _ = self._events(config)
-            parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
+            if parts is None:
+                p, _ = self._events(config)
+                parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
             self._calibration.add(parts, measured_step_time_s)
+
+    def recalibrated(self, estimate: Estimate) -> Estimate:
+        """``estimate`` (a prediction of this estimator's) with its step time refitted by the
+        probes so far, from its stored parts: no trace is needed, so a resumed study's
+        predictions stay cheap. One without parts (stored by an older version) is estimated
+        again."""
+        parts = _stored_parts(estimate)
+        if parts is None:
+            return self.estimate(estimate.config)
+        assert estimate.time_parts is not None
+        with self._lock:
+            points = len(self._calibration.points)
+            seconds = parts.total_s + self._calibration.correction(parts) + float(estimate.time_parts.get("fixed", 0.0))
+        notes = [n for n in estimate.notes if not n.startswith(_CALIBRATED)]
+        if points:
+            # Where _replay puts it: before the communication note.
+            at = next((i for i, n in enumerate(notes) if n.startswith("communication ")), len(notes))
+            notes.insert(at, _calibrated_note(points))
+        return replace(estimate, step_time_s=seconds,
+                       samples_per_s=estimate.config.global_batch / seconds if seconds > 0 else None,
+                       notes=tuple(notes))
 
     def close(self) -> None:
         """Stop the trace worker, if one runs (a later trace starts it again when needed)."""
@@ -675,15 +724,17 @@ class Estimator:
         if cuda:
             reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
         params, trainable = self._param_counts()
-        seconds = step_time(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
+        parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
+        seconds = parts.total_s
         if self._calibration.points:
-            seconds += self._calibration.correction(
-                step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates()))
-            notes.append(f"step time calibrated on {len(self._calibration.points)} probe(s)")
+            seconds += self._calibration.correction(parts)
+            notes.append(_calibrated_note(len(self._calibration.points)))
         comm = self._comm_time(config, p)
+        fixed = 0.0
         if comm is not None:
             # Added after calibration: probes run on one device and measure no communication.
-            seconds += comm.exposed_s
+            fixed = comm.exposed_s
+            seconds += fixed
             notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
                          f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
         assert self.spec is not None or not cuda
@@ -704,6 +755,7 @@ class Estimator:
             params=params,
             trainable_params=trainable,
             notes=tuple(notes),
+            time_parts={"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed},
         )
 
     def _comm_time(self, config: TrainConfig, p: _Prepared) -> CommTime | None:

@@ -366,7 +366,7 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
         if status == "ok" and result.estimate is not None:
             measured: Estimate = result.estimate
             if measured.step_time_s:
-                estimator.calibrate(entry.config, measured.step_time_s)
+                estimator.calibrate(entry.config, measured.step_time_s, predicted=entry.predicted)
             if _need(measured) > limit:
                 notes.append(f"{entry.config.describe()}: measured {format_size(measured.peak_bytes)} is over the budget; dropped")
                 continue
@@ -382,8 +382,10 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
         probed, pair = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
         above = [pair] if pair is not None else []
     rest = (raced or []) + rest
-    # Unprobed configurations get the time model refitted by the probes and races.
-    refreshed = [PlanEntry(config=e.config, predicted=estimator.estimate(e.config), probe_status=e.probe_status) for e in rest]
+    # Unprobed configurations get the time model refitted by the probes and races (from
+    # their predictions' stored parts: a resumed study's configurations are not traced again).
+    refreshed = [PlanEntry(config=e.config, predicted=estimator.recalibrated(e.predicted), probe_status=e.probe_status)
+                 for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
     for upper_config, lower_config in above:
         # The confirmation kept the predicted order against figures that could not tell the
@@ -436,7 +438,7 @@ def _race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: i
     timed: dict[TrainConfig, tuple[float, int, TrainConfig]] = {}  # step s, rounds, raced against
     for i, (entry, other) in enumerate(((first, rival), (rival, first))):
         step = float(result.median_step_s(i))
-        estimator.calibrate(entry.config, step)
+        estimator.calibrate(entry.config, step, predicted=entry.predicted)
         timed[entry.config] = (step, rounds, other.config)
     wins = int(result.second_wins)
     if ratio > 1 + _RACE_TIE:
@@ -557,7 +559,7 @@ def _follow_trend(task: Task, estimator: Estimator, order: list[PlanEntry], rest
         rounds = len(result.step_times[0])
         ratio = float(result.ratio)  # > 1: the candidate's steps are the shorter
         step = float(result.median_step_s(1))
-        estimator.calibrate(candidate.config, step)
+        estimator.calibrate(candidate.config, step, predicted=candidate.predicted)
         if ratio <= 1 + _RACE_TIE:
             notes.append(f"one step further, {candidate.config.describe()} raced {winner.config.describe()} and was "
                          f"not faster (median ratio {ratio:.2f}): the walk stops")
@@ -613,7 +615,7 @@ def _reprobe(task: Task, estimator: Estimator, probed: list[PlanEntry], predicte
         if second is None or not second.step_time_s:
             notes.append(f"{entry.config.describe()}: second probe {status}; the first kept")
             continue
-        estimator.calibrate(entry.config, second.step_time_s)
+        estimator.calibrate(entry.config, second.step_time_s, predicted=entry.predicted)
         steps[entry.config] = (first.step_time_s, second.step_time_s)
         step = (first.step_time_s + second.step_time_s) / 2
         higher = max((first, second), key=_need)

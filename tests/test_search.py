@@ -88,6 +88,38 @@ def test_resumed_study_reuses_its_trials(tmp_path):
     assert again.config == first.config
 
 
+def test_a_resumed_study_with_probes_traces_nothing_again(tmp_path, monkeypatch):
+    # A new process resuming a study: a new task from the same file, so a new estimator
+    # without traces. Its trials answer the predictions, and the probes' refit of the
+    # unprobed ones comes from the predictions' stored parts, not from tracing them again.
+    from estimators import _estimate, load_task
+
+    from test_race import SLEEPY
+    path = tmp_path / "sleepy.py"
+    path.write_text(SLEEPY)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
+                  storage=storage, race_fn=_race_answering([], ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))))
+    # The fake probe estimates with an estimator of its own: it answers each configuration
+    # once, so that only the search's own tracing is counted.
+    answers: dict = {}
+
+    def probe_once(task, config, budget):
+        if config not in answers:
+            answers[config] = _measured_probe([], {})(task, config, budget)
+        return answers[config]
+    first = search(load_task(path), probe_fn=probe_once, **kwargs)
+    traced: list[TrainConfig] = []
+    original = _estimate.trace_step
+    monkeypatch.setattr(_estimate, "trace_step",
+                        lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
+    again = search(load_task(path), probe_fn=probe_once, **kwargs)
+    assert traced == []
+    assert [e.config for e in again.entries] == [e.config for e in first.entries]
+    for a, b in zip(again.entries, first.entries):
+        assert a.samples_per_s == pytest.approx(b.samples_per_s, rel=1e-9)
+
+
 def test_same_seed_same_plan_with_sampling(tmp_path):
     kwargs = dict(vram="80GB", gpu="A100-80GB", trials=6, probe_top=0, seed=3)
     a = search(lm(), storage=f"sqlite:///{tmp_path / 'a.db'}", **kwargs)

@@ -242,3 +242,42 @@ def test_estimator_calibration_fits_overhead_and_work_apart():
     # One common factor could not get both ends right.
     factors = [machine(p) / p.total_s for p in split[:2]]
     assert abs(factors[0] / factors[1] - 1) > 0.05
+
+
+def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(monkeypatch):
+    from estimators import Estimate
+    from estimators import _estimate
+
+    configs = [TrainConfig(micro_batch_size=b) for b in (4, 64, 16)]
+    est = Estimator(lm_task(), device="cpu")
+    est._rates = fixed_rates(matmul__float32=2e9, elementwise__float32=2e9)
+    predicted = [est.estimate(c) for c in configs]
+    assert all(p.time_parts is not None and p.time_parts["fixed"] == 0.0 for p in predicted)
+    # What a resumed study holds: the predictions' dicts, and a new estimator without traces.
+    stored = [Estimate.from_dict(json.loads(json.dumps(p.to_dict()))) for p in predicted]
+    fresh = Estimator(lm_task(), device="cpu")
+    fresh._rates = est._rates
+    traced: list[TrainConfig] = []
+    original = _estimate.trace_step
+    monkeypatch.setattr(_estimate, "trace_step", lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
+
+    def machine(p: Estimate) -> float:
+        return 3.0 * p.time_parts["overhead"] + 2.0 * p.time_parts["float32"]
+
+    for a, b in zip(stored[:2], predicted[:2]):
+        fresh.calibrate(a.config, machine(a), predicted=a)
+        est.calibrate(b.config, machine(b))
+    again = fresh.recalibrated(stored[2])
+    assert traced == []  # neither the calibration nor the refit traced anything
+    # The same as a full estimate by an estimator holding the traces and the same probes.
+    full = est.estimate(configs[2])
+    assert again.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+    assert again.step_time_s == pytest.approx(machine(stored[2]), rel=1e-3)
+    assert again.samples_per_s == pytest.approx(configs[2].global_batch / again.step_time_s)
+    assert again.notes == full.notes and any("calibrated on 2 probe(s)" in n for n in again.notes)
+    assert again.peak_bytes == stored[2].peak_bytes
+    # A prediction stored without parts (an older plan) is estimated again.
+    old = Estimate.from_dict({k: v for k, v in stored[2].to_dict().items() if k != "time_parts"})
+    assert old.time_parts is None
+    assert fresh.recalibrated(old).step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+    assert traced  # that one needed its trace
