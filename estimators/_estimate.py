@@ -402,16 +402,23 @@ class Estimator:
             return self.estimate(estimate.config)
         assert estimate.time_parts is not None
         with self._lock:
-            points = len(self._calibration.points)
-            seconds = parts.total_s + self._calibration.correction(parts) + float(estimate.time_parts.get("fixed", 0.0))
+            seconds, note = self._step_seconds(parts, float(estimate.time_parts.get("fixed", 0.0)))
         notes = [n for n in estimate.notes if not n.startswith(_CALIBRATED)]
-        if points:
+        if note is not None:
             # Where _replay puts it: before the communication note.
             at = next((i for i, n in enumerate(notes) if n.startswith("communication ")), len(notes))
-            notes.insert(at, _calibrated_note(points))
+            notes.insert(at, note)
         return replace(estimate, step_time_s=seconds,
                        samples_per_s=estimate.config.global_batch / seconds if seconds > 0 else None,
                        notes=tuple(notes))
+
+    def _step_seconds(self, parts: StepTimeParts, fixed: float) -> tuple[float, str | None]:
+        """A step's seconds from its uncalibrated parts, refitted by the probes so far, plus
+        ``fixed`` (communication, which probes do not measure); and the note saying it was
+        calibrated (None without probes)."""
+        points = len(self._calibration.points)
+        seconds = parts.total_s + self._calibration.correction(parts) + fixed
+        return seconds, _calibrated_note(points) if points else None
 
     def close(self) -> None:
         """Stop the trace worker, if one runs (a later trace starts it again when needed)."""
@@ -725,16 +732,13 @@ class Estimator:
             reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
         params, trainable = self._param_counts()
         parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, self.rates())
-        seconds = parts.total_s
-        if self._calibration.points:
-            seconds += self._calibration.correction(parts)
-            notes.append(_calibrated_note(len(self._calibration.points)))
         comm = self._comm_time(config, p)
-        fixed = 0.0
+        # Added after calibration: probes run on one device and measure no communication.
+        fixed = comm.exposed_s if comm is not None else 0.0
+        seconds, calibrated = self._step_seconds(parts, fixed)
+        if calibrated is not None:
+            notes.append(calibrated)
         if comm is not None:
-            # Added after calibration: probes run on one device and measure no communication.
-            fixed = comm.exposed_s
-            seconds += fixed
             notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
                          f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
         assert self.spec is not None or not cuda

@@ -377,21 +377,20 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
-    above: list[tuple[TrainConfig, TrainConfig]] = []
+    kept: tuple[TrainConfig, TrainConfig] | None = None
     if len(probed) >= 2 and raced is None:
-        probed, pair = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
-        above = [pair] if pair is not None else []
+        probed, kept = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
     rest = (raced or []) + rest
     # Unprobed configurations get the time model refitted by the probes and races (from
     # their predictions' stored parts: a resumed study's configurations are not traced again).
     refreshed = [PlanEntry(config=e.config, predicted=estimator.recalibrated(e.predicted), probe_status=e.probe_status)
                  for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
-    for upper_config, lower_config in above:
+    if kept is not None:
         # The confirmation kept the predicted order against figures that could not tell the
         # two apart: the first goes just above the second, and no further (the figures shown
         # stay as measured).
-        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in (upper_config, lower_config))
+        upper, lower = (next(e for e in measured_sorted if e.config == c) for c in kept)
         if measured_sorted.index(upper) > measured_sorted.index(lower):
             measured_sorted.remove(upper)
             measured_sorted.insert(measured_sorted.index(lower), upper)
