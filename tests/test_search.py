@@ -11,6 +11,7 @@ from estimators import NoFeasiblePlanError, Task, TrainConfig
 from memplan import Plan, search
 from memplan._space import build_space
 
+from estimators._timing import DeviceRates
 from test_estimator import TinyLM, lm_task  # noqa: E402
 
 # One task for the module: searches of the same task share its traces, as in the product.
@@ -24,6 +25,19 @@ def lm() -> Task:
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+
+
+# The CPU's rates, pinned: measured ones move with the machine's load, and with them the
+# predicted order of near ties (lm()'s micro-batch 8 with one checkpoint segment against
+# 4 x2), which the tests of races and walks start from. These are this machine's, rounded,
+# without the per-op-class rates.
+_PINNED_RATES = DeviceRates("pinned-cpu", {"float32": 8e10, "bfloat16": 1e10, "float16": 3e9}, 2e10, 1.5e-5, {})
+
+
+@pytest.fixture(autouse=True)
+def _pinned_rates(monkeypatch):
+    from estimators import _estimate
+    monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: _PINNED_RATES)
 
 
 def mlp_task() -> Task:
