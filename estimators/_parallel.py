@@ -11,8 +11,13 @@ How a configuration's ``strategy`` maps onto ``torch.distributed``:
   parameters are resharded after forward (``reshard_after_forward=True``), as torchtitan does.
   Under ``bf16-mixed``/``fp16-mixed`` the unsharded parameters are gathered in the low
   precision and gradients are reduced in fp32 (``MixedPrecisionPolicy``); autocast stays on
-  around the forward pass, as in single-device training. Accumulation keeps gradient
-  reduction on for every micro-batch: gradients stay sharded (see :func:`gradient_sync`).
+  around the forward pass, as in single-device training. Batch-norm layers keep fp32
+  parameters (each its own unit, its inputs not cast): their running statistics stay fp32,
+  and CPU batch-norm kernels refuse low-precision weights with fp32 statistics on some input
+  layouts (a batch of one is both contiguous and channels-last); FSDP1's
+  ``MixedPrecision`` leaves ``_BatchNorm`` out for the same reason. Accumulation keeps
+  gradient reduction on for every micro-batch: gradients stay sharded (see
+  :func:`gradient_sync`).
 
 Both wrappers are applied after activation checkpointing, which patches block ``forward``
 methods on the instances and so survives wrapping.
@@ -72,7 +77,17 @@ def apply_fsdp(
     policy = fsdp_mp_policy(precision)
     if policy is not None:
         kwargs["mp_policy"] = policy
-    for block in find_block_stack(model, finder):
+    blocks = find_block_stack(model, finder)
+    if policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        block_ids = {id(b) for b in blocks}
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in block_ids \
+                    and any(True for _ in module.parameters(recurse=False)):
+                fully_shard(module, **{**kwargs, "mp_policy": full})
+    for block in blocks:
         fully_shard(block, **kwargs)
     # The root keeps what the blocks do not hold (embeddings, heads, norms); it is not
     # resharded after forward because backward needs it first (torchtitan does the same).

@@ -94,6 +94,9 @@ class Plan:
     trials: int
     provenance: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    failures: Mapping[TrainConfig, str] = field(default_factory=dict)
+    """Configurations that could not be traced or run, each with its reason (infeasible
+    trials); ``notes`` sums them up in one line."""
 
     def __post_init__(self) -> None:
         if not self.entries:
@@ -154,6 +157,7 @@ class Plan:
             "launch": self.launch,
             "provenance": dict(self.provenance),
             "notes": list(self.notes),
+            "failures": [{"config": c.to_dict(), "reason": r} for c, r in self.failures.items()],
             "entries": [e.to_dict() for e in self.entries],
         }
 
@@ -171,6 +175,7 @@ class Plan:
             trials=int(data.get("trials", 0)),
             provenance=dict(data.get("provenance", {})),
             notes=tuple(data.get("notes", ())),
+            failures={TrainConfig.from_dict(f["config"]): str(f["reason"]) for f in data.get("failures", ())},
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:

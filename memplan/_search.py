@@ -29,13 +29,14 @@ import torch
 import torch.nn as nn
 
 from estimators import (
-    ConfigError, Estimate, Estimator, NoFeasiblePlanError, Task, TrainConfig, format_size,
+    ConfigError, Estimate, Estimator, MemplanError, NoFeasiblePlanError, Task, TrainConfig, format_size,
     load_task, parse_size,
 )
 from estimators._checkpoint import max_checkpoint_segments
 from estimators._config import Precision
 
 from ._plan import Plan, PlanEntry, provenance
+from ._failures import Failures as _Failures, summarize_failures
 from ._space import SearchSpace, build_space, layouts_for
 from ._study import MirroredStudy
 
@@ -211,13 +212,18 @@ def search(
         prestart()
 
     cache: dict[TrainConfig, Estimate] = {}
+    failures = _Failures(space)
 
-    def evaluate(config: TrainConfig) -> Estimate:
-        if config not in cache:
-            cache[config] = estimator.estimate(config)
-        return cache[config]
+    def evaluate(config: TrainConfig) -> Estimate | None:
+        if config not in cache and config not in failures.reasons:
+            try:
+                cache[config] = estimator.estimate(config)
+            except MemplanError as exc:
+                failures.add(config, exc)
+        return cache.get(config)
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Optuna's own warnings (a trial cut short by Ctrl-C) are not the user's business.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     exhaustive = len(space) <= trials
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -232,7 +238,9 @@ def search(
         if "estimate" in t.user_attrs:
             est = Estimate.from_dict(t.user_attrs["estimate"])
             cache.setdefault(est.config, est)
-    done = {est.config for est in cache.values()}
+        elif "failed" in t.user_attrs:
+            failures.resume(t.params, str(t.user_attrs["failed"]))
+    done = {est.config for est in cache.values()} | set(failures.reasons)
     for corner in space.smallest():
         if corner not in done:
             study.enqueue_trial({"layout": _layout_key(corner), "micro_batch_size": corner.micro_batch_size,
@@ -246,6 +254,14 @@ def search(
         segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
         config = space.config(int(micro), str(precision), int(segments), str(layout))
         est = evaluate(config)
+        if est is None:
+            # A configuration that cannot be traced is a completed, infeasible trial (as an OOM
+            # is): the sampler learns from it, and the search goes on without it.
+            trial.set_user_attr("failed", failures.reasons[config])
+            trial.set_constraint("memory", max(limit, 1) / 1e9)
+            if not cache and failures.shared(evaluate):
+                trial.study.stop()  # every configuration fails alike: the model itself is broken
+            return 0.0
         need = _need(est)
         trial.set_user_attr("estimate", est.to_dict())
         # Constraint in GB keeps the numbers readable in optuna-dashboard; <= 0 is feasible.
@@ -265,6 +281,9 @@ def search(
             estimator.close()  # its trace worker, if a large model started one
 
     estimates = [e for c, e in cache.items() if c in set(space)]
+    failed = failures.in_space()
+    if not estimates and failed:
+        raise failures.first_error()
     feasible = [e for e in estimates if _need(e) <= limit]
     if not feasible:
         raise _no_fit(estimates, budget, limit, estimator)
@@ -275,6 +294,9 @@ def search(
     notes: list[str] = []
     if interrupted:
         notes.append("search interrupted; plan built from the trials completed so far")
+    summary = summarize_failures(failed)
+    if summary:
+        notes.append(summary)
     if any(e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     if probe_top > 0 and _can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
@@ -289,7 +311,8 @@ def search(
         device=estimator.device,
         gpu=estimator.spec.name if estimator.spec else None,
         global_batch=space.global_batch,
-        trials=len(estimates),
+        trials=len(estimates) + len(failed),
+        failures=failed,
         provenance=provenance(device=estimator.device, gpu=estimator.spec.name if estimator.spec else None,
                               source_hash=task.source_hash, source_path=task.source_path),
         notes=tuple(notes),
