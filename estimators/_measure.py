@@ -57,9 +57,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _profiled() -> Any:
-    from torch.profiler import ProfilerActivity, profile
+    from ._profiler import memory_profile
 
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    return memory_profile()
 
 
 _STEPS_MARK = "memplan::steps"

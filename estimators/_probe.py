@@ -992,12 +992,14 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
             reserved = int(torch.cuda.max_memory_reserved(dev))
             peak_phase = tracker.peak_phase
         else:
-            from torch.profiler import ProfilerActivity, profile, record_function
+            from torch.profiler import record_function
+
+            from ._profiler import memory_profile
 
             def label(name: str) -> Any:
                 return record_function(_PHASE_PREFIX + name)
 
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with memory_profile() as prof:
                 with guard if guard is not None else contextlib.nullcontext():
                     for i in range(1, _MEMORY_STEPS + 1):
                         step(i, phase=label)

@@ -317,6 +317,21 @@ def _fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback ("failed while attempting to run meta for ...") for
+    every op whose meta kernel raises, before raising it: the trace reports that error in one
+    line of its own, so the log would only put the traceback on the user's screen twice."""
+    import logging
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
     """A copy of a real module whose parameters and buffers are fake (ties kept)."""
     memo: dict[int, Any] = {}
@@ -439,6 +454,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     derive = synthesize and config.strategy == "single" and steps == 2
     traced_steps = 1 if derive else steps
     mode = contextlib.nullcontext() if real else _fake_mode()
+    quiet = contextlib.nullcontext() if real else _quiet_fake_tensor_log()
     if real:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
     else:
@@ -454,7 +470,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         # Wrapped before recording starts: the full model a rank holds before sharding is
         # not part of the step (training builds it sharded, or frees it before the first step).
         model = _distributed.parallelize_simulated(model, config, finder=task.checkpoint_blocks, mode=mode)
-        with mode:
+        with mode, quiet:
             for p in model.parameters():
                 rec.track(p, Category.PARAMS)
             for buf in model.buffers():
@@ -587,8 +603,8 @@ def _canonical_free_order(alloc: list[int], sign: list[int], phase: list[int]) -
 
 
 def _memory_profiler() -> Any:
-    from torch.profiler import ProfilerActivity, profile as _profile
-    return _profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    from ._profiler import memory_profile
+    return memory_profile()
 
 
 def _op_workspaces(prof: Any, new_bytes: list[int]) -> list[int]:
