@@ -114,6 +114,10 @@ def build_space(
     if global_batch is not None:
         if global_batch < 1:
             raise ConfigError(f"--global-batch must be >= 1, got {global_batch}")
+        if dataset_size and global_batch > dataset_size:
+            # Not one optimizer step would see a full batch: every epoch would train on nothing.
+            raise ConfigError(f"global batch {global_batch} is larger than the training set ({dataset_size} items); "
+                              f"use --global-batch {dataset_size} or less")
         per_rank, rem = divmod(global_batch, world_size)
         if rem:
             raise ConfigError(f"global batch {global_batch} does not divide over {world_size} processes; pick a multiple of {world_size}")

@@ -548,6 +548,10 @@ class Trainer:
                 if self._pending_evaluation:
                     self._evaluate_and_track()  # the evaluation an OOM interrupted before the relaunch
                 interrupted = self._train_loop()
+                if not interrupted and self.step > 0 and self.last_train_loss is None:
+                    # Every optimizer step was skipped for a NaN/inf loss (fewer of them than the
+                    # limit): the weights are untrained, which is no "done".
+                    raise self._nonfinite_error()
                 if not interrupted:
                     self._finish_evaluation()
                 self._save_checkpoint()
@@ -1067,13 +1071,20 @@ class Trainer:
             self._bar.set_postfix(postfix, refresh=False)
 
         if self.consecutive_nonfinite >= self.options.max_nonfinite:
-            where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
-                     if self.last_checkpoint_step is not None
-                     else "no checkpoint was written before it (set checkpoint_every to keep one)")
-            raise TrainingError(
-                f"loss was NaN/inf for {self.consecutive_nonfinite} consecutive steps at step {self.step}; "
-                f"lower the learning rate or use bf16/fp32 instead of fp16; {where}"
-            )
+            raise self._nonfinite_error()
+
+    def _nonfinite_error(self) -> TrainingError:
+        where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
+                 if self.last_checkpoint_step is not None
+                 else "no checkpoint was written before it (set checkpoint_every to keep one)")
+        # fp16's narrow range overflows where bf16 and fp32 do not; a run already in bf16 or
+        # fp32 has a NaN of its own making (the model, the data or the learning rate).
+        fix = {"fp16-mixed": "lower the learning rate or use bf16-mixed/fp32 instead of fp16",
+               "bf16-mixed": "lower the learning rate, or try fp32"}.get(
+            self.config.precision, "lower the learning rate, and check the model's outputs and the data for NaN/inf")
+        return TrainingError(
+            f"loss was NaN/inf for {self.consecutive_nonfinite} consecutive steps at step {self.step}; {fix}; {where}"
+        )
 
     def _due(self, every: int | None, epoch_ended: bool) -> bool:
         return epoch_ended if every is None else self.step % every == 0

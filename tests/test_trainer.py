@@ -272,11 +272,32 @@ def test_repeated_nan_losses_stop_with_the_last_good_checkpoint(tmp_path: Path, 
         train(task, TrainConfig(micro_batch_size=4), opts(tmp_path, "nan3", max_steps=20, checkpoint_every=2))
     message = str(info.value)
     assert "loss was NaN/inf for 3 consecutive steps at step 9" in message
-    assert "bf16/fp32 instead of fp16" in message and str(out / "checkpoint.pt") in message
+    # An fp32 run is not told to leave fp16; it is pointed at its model and data.
+    assert "fp16" not in message and "check the model's outputs and the data" in message
+    assert str(out / "checkpoint.pt") in message
     ckpt = torch.load(out / "checkpoint.pt")
     assert ckpt["step"] == 6  # the checkpoint due at step 8 (inside the NaN streak) was not written
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_run_whose_every_step_was_nan_fails_with_the_nan_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fewer steps than the NaN limit, every one of them NaN: not a "done" run.
+    monkeypatch.setenv("NAN_FROM_CALL", "1")
+    task = model_file_task(tmp_path, custom_loss=True)
+    with pytest.raises(TrainingError) as info:
+        train(task, TrainConfig(micro_batch_size=4), opts(tmp_path, "allnan", max_steps=2, max_nonfinite=5))
+    message = str(info.value)
+    assert "loss was NaN/inf for 2 consecutive steps at step 2" in message and "fp16" not in message
+    assert not (tmp_path / "allnan" / "model.pt").exists()
+
+
+def test_the_nan_message_suggests_what_fits_the_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NAN_FROM_CALL", "1")
+    task = model_file_task(tmp_path, custom_loss=True)
+    with pytest.raises(TrainingError) as info:
+        train(task, TrainConfig(micro_batch_size=4, precision="bf16-mixed"), opts(tmp_path, "bf16nan", max_steps=3))
+    assert "or try fp32" in str(info.value) and "fp16" not in str(info.value)
 
 
 # -- 5. schedules ----------------------------------------------------------------------------
