@@ -7,7 +7,13 @@ either the old checkpoint or the new one, never a mix. The directory is fsync'ed
 rename itself survives a power loss on file systems that need it (ext4 without ``auto_da_alloc``).
 
 Checkpoints hold only tensors, numbers, strings, lists, tuples and dicts, so that
-``torch.load(path)`` with its safe default (``weights_only=True``) reads them.
+``torch.load(path)`` with its safe default (``weights_only=True``) reads them: a checkpoint is
+data, loaded without executing anything.
+
+The trainer's ``checkpoint.pt`` keeps the one before it beside it
+(``checkpoint.previous.pt``, moved aside by a rename just before the new one takes the name):
+a checkpoint damaged after it was written (a disk fault, a copy cut short) then costs one
+checkpoint interval, not the run (:func:`load_latest_checkpoint`).
 
 FSDP2 runs keep their sharded tensors in a ``torch.distributed.checkpoint`` folder instead
 (:func:`save_sharded`): every rank writes its shards into a temporary folder, which is renamed
@@ -26,11 +32,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "SHARDED_DIR", "save_sharded", "load_sharded", "remove_stale_sharded"]
+from estimators import ConfigError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "previous_path", "DamagedCheckpointError",
+           "SHARDED_DIR", "save_sharded", "load_sharded", "remove_stale_sharded"]
 
 
-def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
+class DamagedCheckpointError(ConfigError):
+    """A checkpoint file that cannot be read (cut short, overwritten, not a checkpoint)."""
+
+
+def previous_path(path: str | os.PathLike[str]) -> Path:
+    """Where the checkpoint before ``path`` is kept: ``checkpoint.pt`` -> ``checkpoint.previous.pt``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.previous{p.suffix}")
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, keep_previous: bool = False) -> Path:
     """Write ``obj`` with ``torch.save`` to ``path`` atomically; returns the path.
+    ``keep_previous``: the file it replaces is kept at :func:`previous_path`.
 
     Example:
         >>> import tempfile, torch
@@ -47,6 +67,10 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and target.exists():
+            # A crash between the two renames leaves the previous one alone, which
+            # load_latest_checkpoint reads.
+            os.replace(target, previous_path(target))
         os.replace(tmp_name, target)
     except BaseException:
         # Whatever went wrong (disk full, KeyboardInterrupt), the old checkpoint is untouched;
@@ -61,8 +85,40 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device | None = "cpu") -> Any:
-    """Read a checkpoint written by :func:`save_checkpoint` (safe loading: tensors and plain data)."""
-    return torch.load(Path(path), map_location=map_location, weights_only=True)
+    """Read a checkpoint written by :func:`save_checkpoint` (safe loading: tensors and plain
+    data). A file that cannot be read raises :class:`DamagedCheckpointError` in one line."""
+    p = Path(path)
+    try:
+        return torch.load(p, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zip, pickle and unpickler errors alike
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise DamagedCheckpointError(f"{p} is damaged or not a memplan checkpoint ({type(exc).__name__}: {first})") from None
+
+
+def load_latest_checkpoint(path: str | os.PathLike[str], *,
+                           map_location: str | torch.device | None = "cpu") -> tuple[Any, Path, str | None]:
+    """The newest readable checkpoint of ``path`` and its kept predecessor: (contents, the file
+    read, why the newest was passed over or None). Raises :class:`DamagedCheckpointError`
+    when neither can be read, ``FileNotFoundError`` when neither exists."""
+    latest, previous = Path(path), previous_path(path)
+    try:
+        return load_checkpoint(latest, map_location=map_location), latest, None
+    except FileNotFoundError:
+        if not previous.exists():
+            raise
+        why = f"{latest} is missing"
+    except DamagedCheckpointError as exc:
+        if not previous.exists():
+            raise DamagedCheckpointError(f"{exc}; no earlier checkpoint is kept beside it: delete it to start "
+                                         "over, or train into another --out") from None
+        why = str(exc)
+    try:
+        return load_checkpoint(previous, map_location=map_location), previous, why
+    except DamagedCheckpointError as exc:
+        raise DamagedCheckpointError(f"{why}, and so is the one before it: {exc}; delete both to start over, "
+                                     "or train into another --out") from None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -122,14 +178,16 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def remove_stale_sharded(root: str | os.PathLike[str], *, keep: str) -> None:
+def remove_stale_sharded(root: str | os.PathLike[str], *, keep: str | set[str]) -> None:
     """Delete the sharded checkpoints in ``root`` other than ``keep`` (and left-over temporary
-    folders), once ``checkpoint.pt`` points at ``keep``."""
+    folders), once ``checkpoint.pt`` points at ``keep`` (a set: the folders of the current and
+    the kept previous checkpoint)."""
     import shutil
 
     folder = Path(root)
     if not folder.is_dir():
         return
+    kept = {keep} if isinstance(keep, str) else set(keep)
     for entry in folder.iterdir():
-        if entry.is_dir() and entry.name != keep:
+        if entry.is_dir() and entry.name not in kept:
             shutil.rmtree(entry, ignore_errors=True)

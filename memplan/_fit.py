@@ -77,11 +77,21 @@ def fit(
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
     """
     task = resolve_task(model, sample)
-    plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
-                  probe_top=probe_top, seed=seed, storage=storage, **layout_kwargs(launch))
     opts = options or TrainOptions()
+    plan = resumed_plan(opts.out_dir) if opts.resume else None
+    if plan is None:
+        plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
+                      probe_top=probe_top, seed=seed, storage=storage, **layout_kwargs(launch))
     opts = replace(opts, device=plan.device, seed=seed)
     return plan, train_plan(task, plan, opts, launch=launch)
+
+
+def resumed_plan(out_dir: str | os.PathLike[str]) -> Plan | None:
+    """The plan a resumed ``fit`` trains: the one its first run saved in ``out_dir`` (with the
+    checkpoint's configuration, which the trainer restores), so that no search runs again and
+    no other configuration is chosen; None when there is none (the run never got that far)."""
+    path = Path(out_dir) / "plan.json"
+    return Plan.load(path) if path.exists() else None
 
 
 def layout_kwargs(launch: LaunchSpec | None, *, gpus: int | None = None, nodes: int | None = None) -> dict[str, int]:

@@ -195,7 +195,15 @@ class Plan:
             raise ConfigError(f"plan file {str(path)!r} not found; create one with memplan plan MODEL.py --out plan.json") from None
         except ValueError as exc:
             raise ConfigError(f"plan file {str(path)!r} is not valid JSON ({exc}); re-create it with memplan plan") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except KeyError as exc:
+            raise ConfigError(f"plan file {str(path)!r} lacks {exc}; re-create it with memplan plan --out") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, ConfigError):
+                raise ConfigError(f"plan file {str(path)!r}: {exc}") from None
+            raise ConfigError(f"plan file {str(path)!r} is not a memplan plan ({type(exc).__name__}: {exc}); "
+                              "re-create it with memplan plan --out") from None
 
     # -- display -----------------------------------------------------------------------
     def table(self, limit: int = 10) -> str:

@@ -101,7 +101,10 @@ from estimators import _checkpoint, _parallel, _precision
 from estimators._probe import is_oom_error
 from estimators._task import default_logits_and_targets, default_loss
 
-from ._checkpoint_io import SHARDED_DIR, load_checkpoint, load_sharded, remove_stale_sharded, save_checkpoint, save_sharded
+from ._checkpoint_io import (
+    SHARDED_DIR, DamagedCheckpointError, load_checkpoint, load_latest_checkpoint, load_sharded, previous_path,
+    remove_stale_sharded, save_checkpoint, save_sharded,
+)
 from ._recovery import (
     DistributedOOM, OOMRecord, RecoveryEvent, free_memory, restore_optimizer, restore_tensors, snapshot_optimizer,
     snapshot_tensors,
@@ -695,6 +698,7 @@ class Trainer:
         self.last_eval_step: int | None = None
         self.last_train_loss: float | None = None
         self.last_checkpoint_step: int | None = None
+        self._last_dcp: str | None = None  # the sharded folder the last checkpoint.pt names
         self._pending_evaluation = False
         # This process only.
         self._throughput: list[tuple[int, float]] = []
@@ -1275,10 +1279,13 @@ class Trainer:
                 "last_metrics": self.last_metrics,
             },
         }
-        save_checkpoint(state, self.checkpoint_path)
+        save_checkpoint(state, self.checkpoint_path, keep_previous=True)
         self.last_checkpoint_step = self.step
         if dcp_dir is not None:
-            remove_stale_sharded(self.out_dir / SHARDED_DIR, keep=Path(dcp_dir).name)
+            # The kept previous checkpoint.pt points at its own folder: that one stays too.
+            keep = {Path(dcp_dir).name} | ({Path(self._last_dcp).name} if self._last_dcp else set())
+            remove_stale_sharded(self.out_dir / SHARDED_DIR, keep=keep)
+            self._last_dcp = dcp_dir
 
     def _save_sharded(self) -> str:
         """Every rank writes its shards into a fresh folder (a temporary name, renamed when all
@@ -1302,10 +1309,19 @@ class Trainer:
 
     def _resume(self) -> int | None:
         """Load ``checkpoint.pt`` if there is one; returns its step (None: fresh start)."""
-        if not self.checkpoint_path.exists():
+        if not self.checkpoint_path.exists() and not previous_path(self.checkpoint_path).exists():
             log.info("no checkpoint at %s; starting from scratch", self.checkpoint_path)
             return None
-        ckpt = load_checkpoint(self.checkpoint_path, map_location=self.device)
+        ckpt, source, passed_over = load_latest_checkpoint(self.checkpoint_path, map_location=self.device)
+        if passed_over is not None:
+            log.warning("%s; resuming from %s (step %s)", passed_over, source, ckpt.get("step"))
+        try:
+            return self._restore(ckpt)
+        except KeyError as exc:
+            raise DamagedCheckpointError(
+                f"{source} lacks {exc}: not a checkpoint of this memplan; train into another --out") from None
+
+    def _restore(self, ckpt: dict[str, Any]) -> int:
         saved = TrainConfig.from_dict(ckpt["config"])
         if saved.global_batch != self.config.global_batch:
             raise ConfigError(
@@ -1335,6 +1351,7 @@ class Trainer:
                 log.warning("resuming on %s, the configuration an OOM recovery switched to", saved.describe())
                 self._switch_config(saved)
         if ckpt.get("dcp"):
+            self._last_dcp = ckpt["dcp"]
             # Written by an FSDP2 run: DCP reshards the tensors to this run's layout -- another
             # world size, or one plain process.
             load_sharded(self.model, self.optimizer, self.out_dir / ckpt["dcp"], extra=self._sharded_extra())

@@ -22,18 +22,25 @@ __all__ = ["main"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        # argparse's own errors follow the same one-line, exit-code-2 rule as ours.
-        sys.stderr.write(f"memplan: {message}; see memplan {self.prog.split()[-1]} --help\n")
+        # argparse's own errors follow the same one-line, exit-code-2 rule as ours, and name
+        # the command once: "memplan train: ...; see memplan train --help".
+        sys.stderr.write(f"{self.prog}: {message}; see {self.prog} --help\n")
         raise SystemExit(2)
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_common_args(p: argparse.ArgumentParser) -> None:
+    """What every command takes: the model file, the device, and quiet progress."""
     p.add_argument("model", help="model file (defines model(), train_data(), …)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="target device type")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    _add_common_args(p)
     p.add_argument("--batch-size", "-b", required=True, help="micro-batch size")
     p.add_argument("--accum", default="1", help="gradient-accumulation steps (default 1)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16)")
     p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="target device type")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -100,10 +107,9 @@ class ProbeCommand:
 
 
 def _add_search_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model file (defines model(), train_data(), …)")
+    _add_common_args(p)
     p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="target device type")
     p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
     p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
     p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
@@ -172,7 +178,7 @@ class PlanCommand:
         from ._fit import layout_kwargs
         from ._search import search
         gpus, nodes = _layout(args)
-        plan = search(args.model, progress=not args.json and sys.stderr.isatty(), **_search_kwargs(args),
+        plan = search(args.model, progress=not (args.json or args.no_progress) and sys.stderr.isatty(), **_search_kwargs(args),
                       **layout_kwargs(None, gpus=gpus, nodes=nodes))
         if args.out:
             plan.save(args.out)
@@ -185,8 +191,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", default=None, help="optimizer steps")
     p.add_argument("--lr", default=None, help="peak learning rate")
     p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (fit: with OUT/plan.json, no search)")
 
 
 def _train_options(args: argparse.Namespace, device: str):
@@ -205,6 +210,13 @@ def _train_options(args: argparse.Namespace, device: str):
         lr=lr, out_dir=Path(args.out), resume=args.resume, device=device,
         progress=not args.no_progress,
     )
+
+
+def _check_device(args: argparse.Namespace, plan) -> None:
+    from estimators import ConfigError
+    if args.device is not None and args.device != plan.device.split(":")[0]:
+        raise ConfigError(f"the plan was made for {plan.device}, not --device {args.device}; plan again with "
+                          f"memplan plan MODEL.py --device {args.device}")
 
 
 def _print_result(result) -> None:
@@ -229,7 +241,7 @@ class FitCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from estimators import ConfigError
-        from ._fit import layout_kwargs, train_plan
+        from ._fit import layout_kwargs, resumed_plan, train_plan
         from ._search import resolve_task, search
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
         gpus, nodes = _layout(args)
@@ -243,8 +255,13 @@ class FitCommand:
             args.nnodes = str(nodes)
         spec = _launch_spec(args, nproc if nproc is not None else gpus)
         task = resolve_task(args.model)
-        plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args),
-                      **layout_kwargs(spec))
+        plan = resumed_plan(args.out) if args.resume else None
+        if plan is None:
+            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args),
+                          **layout_kwargs(spec))
+        else:
+            _check_device(args, plan)
+            print(f"resuming the plan in {args.out}/plan.json (no search)")
         print(plan.table())
         result = train_plan(task, plan, _train_options(args, plan.device), launch=spec)
         _print_result(result)
@@ -257,7 +274,7 @@ class TrainCommand:
     name = "train"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("model", help="model file")
+        _add_common_args(p)
         p.add_argument("--plan", required=True, help="plan.json written by memplan plan --out")
         p.add_argument("--vram", default=None, help="budget to enforce on each device (default: the plan's)")
         _add_train_args(p)
@@ -268,6 +285,7 @@ class TrainCommand:
         from ._plan import Plan
         task = load_task(args.model)
         plan = Plan.load(args.plan)
+        _check_device(args, plan)
         result = train_plan(task, plan, _train_options(args, plan.device), vram=args.vram, launch=_launch_spec(args))
         _print_result(result)
         return 0
@@ -282,12 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, cmd in _COMMANDS.items():
         p = sub.add_parser(name, help=(cmd.__doc__ or "").strip().splitlines()[0])
         cmd.add_arguments(p)
+        _SUBPARSERS[name] = p
     return parser
+
+
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Named by the command they were given to, not by the top-level parser.
+        _SUBPARSERS[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _COMMANDS[args.command].run(args)
     except MemplanError as exc:

@@ -148,3 +148,87 @@ def test_several_machines_need_a_rendezvous(write_model, tmp_path, capsys):
     path = write_model(GOOD)
     code, _, err = run_cli(capsys, "train", path, "--plan", _ddp_plan(tmp_path), "--nproc", "1", "--nnodes", "2")
     assert code == 2 and "--rdzv-endpoint" in err and "--rdzv-id" in err
+
+
+def test_usage_errors_name_the_command_once(write_model, capsys):
+    path = write_model(GOOD)
+    with pytest.raises(SystemExit) as info:
+        main(["train", path, "--plan", "p.json", "--bogus", "1"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("memplan train: unrecognized arguments: --bogus 1") and err.count("memplan train") == 2
+    assert "memplan memplan" not in err
+    with pytest.raises(SystemExit) as info:
+        main(["nosuchcommand"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memplan: ") and "see memplan --help" in err and "memplan memplan" not in err
+
+
+@pytest.mark.parametrize("command", ["estimate", "probe", "plan", "fit", "train"])
+def test_every_command_takes_the_common_options(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--device" in out and "--no-progress" in out
+
+
+def test_train_takes_the_device_and_refuses_another_than_the_plans(write_model, tmp_path, capsys):
+    path = write_model(GOOD)
+    code, _, err = run_cli(capsys, "train", path, "--plan", _ddp_plan(tmp_path), "--device", "cuda")
+    assert code == 2 and err.count("\n") == 1 and "the plan was made for cpu, not --device cuda" in err
+
+
+def test_a_plan_file_with_a_missing_key_is_one_line(write_model, tmp_path, capsys):
+    path = write_model(GOOD)
+    plan = json.loads(open(_ddp_plan(tmp_path)).read())
+    del plan["budget_bytes"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(plan))
+    code, _, err = run_cli(capsys, "train", path, "--plan", str(broken))
+    assert code == 2 and err.count("\n") == 1 and "broken.json" in err and "lacks 'budget_bytes'" in err
+
+
+def test_a_global_batch_larger_than_the_data_is_one_line(write_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    path = write_model(GOOD)  # 32 training items
+    code, _, err = run_cli(capsys, "plan", path, "--vram", "1GB", "--global-batch", "100000")
+    assert code == 2 and err.count("\n") == 1
+    assert "global batch 100000 is larger than the training set (32 items)" in err and "--global-batch 32" in err
+
+
+def test_fit_resume_trains_the_saved_plan_without_searching(write_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    path = write_model(GOOD)
+    out = tmp_path / "run"
+    common = ["--vram", "1GB", "--global-batch", "8", "--probe-top", "0", "--out", str(out), "--no-progress"]
+    code, first, err = run_cli(capsys, "fit", path, "--max-steps", "2", *common)
+    assert code == 0, err
+    saved = json.loads((out / "plan.json").read_text())["entries"][0]["config"]
+
+    import memplan._search as search_module
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("a resumed fit must not search")
+    monkeypatch.setattr(search_module, "search", no_search)
+    code, again, err = run_cli(capsys, "fit", path, "--max-steps", "4", "--resume", *common)
+    assert code == 0, err
+    assert "no search" in again and "4 steps" in again
+    assert json.loads((out / "plan.json").read_text())["entries"][0]["config"] == saved
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2
+
+
+def test_a_damaged_checkpoint_on_resume_is_one_line(write_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    path = write_model(GOOD)
+    out = tmp_path / "run"
+    common = ["--vram", "1GB", "--global-batch", "8", "--probe-top", "0", "--out", str(out), "--no-progress"]
+    assert run_cli(capsys, "fit", path, "--max-steps", "1", *common)[0] == 0
+    for name in ("checkpoint.pt", "checkpoint.previous.pt"):
+        f = out / name
+        if f.exists():
+            f.write_bytes(f.read_bytes()[:100])
+    code, _, err = run_cli(capsys, "fit", path, "--max-steps", "2", "--resume", *common)
+    assert code == 2 and err.count("\n") == 1 and "checkpoint.pt is damaged" in err

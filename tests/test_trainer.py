@@ -220,6 +220,49 @@ def test_sigterm_checkpoints_and_resume_equals_an_uninterrupted_run(
     assert resumed.best_metric == full.best_metric
 
 
+def _cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_checkpoint_costs_one_interval_not_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from memplan._checkpoint_io import previous_path
+    config = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
+    common = dict(schedule="constant", seed=5, checkpoint_every=2)
+    full = train(model_file_task(tmp_path), config, opts(tmp_path, "full", max_steps=12, **common))
+    train(model_file_task(tmp_path), config, opts(tmp_path, "part", max_steps=7, **common))
+    latest = tmp_path / "part" / "checkpoint.pt"
+    assert load_checkpoint(latest)["step"] == 7 and load_checkpoint(previous_path(latest))["step"] == 6
+    _cut_in_half(latest)
+    with caplog.at_level("WARNING", logger="memplan.trainer"):
+        resumed = train(model_file_task(tmp_path), config, opts(tmp_path, "part", max_steps=12, resume=True, **common))
+    assert resumed.summary["resumed_from_step"] == 6
+    assert any("checkpoint.pt is damaged" in r.getMessage() and "checkpoint.previous.pt" in r.getMessage()
+               for r in caplog.records)
+    assert resumed.steps == full.steps == 12
+    assert_same_state(torch.load(tmp_path / "part" / "model.pt"), torch.load(tmp_path / "full" / "model.pt"))
+
+
+def test_damaged_checkpoints_are_one_line_errors_naming_the_file(tmp_path: Path) -> None:
+    from memplan._checkpoint_io import DamagedCheckpointError, previous_path
+    task = model_file_task(tmp_path)
+    config = TrainConfig(micro_batch_size=4)
+    train(task, config, opts(tmp_path, "d", max_steps=3, checkpoint_every=1))
+    latest = tmp_path / "d" / "checkpoint.pt"
+    _cut_in_half(latest)
+    _cut_in_half(previous_path(latest))
+    with pytest.raises(DamagedCheckpointError) as info:
+        train(task, config, opts(tmp_path, "d", max_steps=4, resume=True))
+    message = str(info.value)
+    assert "\n" not in message and str(latest) in message and "damaged" in message and "delete both" in message
+    # A readable file that is not a memplan checkpoint: named, in one line, not a KeyError.
+    previous_path(latest).unlink()
+    save_checkpoint({"step": 3}, latest)
+    with pytest.raises(DamagedCheckpointError) as info:
+        train(task, config, opts(tmp_path, "d", max_steps=4, resume=True))
+    assert str(latest) in str(info.value) and "lacks 'config'" in str(info.value)
+
+
 def test_resume_refuses_another_global_batch(tmp_path: Path) -> None:
     task = model_file_task(tmp_path)
     train(task, TrainConfig(micro_batch_size=4), opts(tmp_path, "r", max_steps=2))
@@ -442,10 +485,10 @@ def test_metrics_lines_are_on_disk_at_every_checkpoint(tmp_path: Path, monkeypat
     on_disk: dict[int, list[int]] = {}
     real_save = trainer_module.save_checkpoint
 
-    def spy(state: Any, path: Any) -> None:
+    def spy(state: Any, path: Any, **kw: Any) -> None:
         if Path(path).name == "checkpoint.pt":
             on_disk[state["step"]] = [r["step"] for r in steps_of(tmp_path / "ck")]
-        real_save(state, path)
+        real_save(state, path, **kw)
 
     monkeypatch.setattr(trainer_module, "save_checkpoint", spy)
     train(model_file_task(tmp_path), TrainConfig(micro_batch_size=8), opts(tmp_path, "ck", max_steps=6, checkpoint_every=2))
