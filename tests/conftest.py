@@ -27,3 +27,16 @@ def one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def _session_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("memplan-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(_session_cache, monkeypatch):
+    """No test writes into the user's ~/.cache/memplan: the cache folder (studies, measured CPU
+    rates) is one of pytest's temporary folders, shared by the session so that the CPU rates
+    are measured once; tests that need a study of their own set a folder of their own."""
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(_session_cache))
