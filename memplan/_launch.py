@@ -49,7 +49,7 @@ import torch
 
 from estimators import ConfigError, TrainConfig, TrainingError, format_size
 
-from ._recovery import DistributedOOM, OOMRecord, RecoveryEvent
+from ._recovery import DistributedOOM, OOMRecord, RecoveryEvent, ladder_peaks, pick_rung
 from ._trainer import TrainOptions, TrainResult, _ladder_configs
 
 __all__ = ["LaunchSpec", "launch_training", "distributed_ladder"]
@@ -182,6 +182,7 @@ def launch_training(
     out_dir = Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rungs = distributed_ladder(ladder, config)
+    peaks = ladder_peaks(ladder)
     recoveries: list[dict[str, Any]] = []
     tried = [config]
     recovery_state: dict[str, Any] | None = None
@@ -223,11 +224,12 @@ def launch_training(
             peak = max((r.peak_at_failure for r in records if r.peak_at_failure is not None), default=None)
             if not rungs:
                 raise _exhausted(first, records, old, tried, peak, out_dir) from None
-            new = rungs.pop(0)
+            new, skipped = pick_rung(rungs, peaks, budget_bytes)
             tried.append(new)
             event = RecoveryEvent(
                 step=first.step, phase=first.phase, from_config=old.to_dict(), to_config=new.to_dict(),
                 peak_at_failure=peak, seconds=0.0, error=f"rank {first.rank}: {first.error}",
+                skipped=[c.to_dict() for c in skipped],
             ).to_dict()
             event.update(ranks=sorted({r.rank for r in records}), resume_step=first.resume_step,
                          window_start_checkpoint=first.window_start_checkpoint)

@@ -26,11 +26,11 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from estimators import ConfigError, TrainingError
+from estimators import ConfigError, TrainConfig, TrainingError
 from estimators._probe import is_oom_error
 
 __all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
-           "DistributedOOM"]
+           "DistributedOOM", "ladder_peaks", "pick_rung"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -69,6 +69,35 @@ def free_memory(device: torch.device | str | None = None, *,
         torch.cuda.empty_cache()
 
 
+def ladder_peaks(ladder: Iterable[Any] | None) -> dict[TrainConfig, int]:
+    """The memory each rung of a ``Plan.ladder()`` needs (measured where it was probed, else
+    predicted); rungs given as bare configurations have none."""
+    out: dict[TrainConfig, int] = {}
+    for rung in ladder or ():
+        config, peak = getattr(rung, "config", None), getattr(rung, "peak_bytes", None)
+        if isinstance(config, TrainConfig) and isinstance(peak, int):
+            out[config] = peak
+    return out
+
+
+def pick_rung(rungs: list[TrainConfig], peaks: dict[TrainConfig, int],
+              capacity: int | None) -> tuple[TrainConfig, list[TrainConfig]]:
+    """Take the rung to step down to from ``rungs`` (in ladder order, removed from it): the
+    first predicted to fit ``capacity``, the memory the failure showed there is (the budget
+    the run is held to), and the rungs passed over. A plan made for 1 GB and run under 110 MB
+    goes from micro-batch 32 straight to the first rung predicted under 110 MB, not through
+    every rung above it, each an OOM of its own. A rung without a prediction is tried; when
+    none is predicted to fit, the last (smallest) is the best chance left."""
+    if not rungs:
+        raise ValueError("no rung left")
+    if capacity is None:
+        return rungs.pop(0), []
+    index = next((i for i, c in enumerate(rungs) if peaks.get(c, 0) <= capacity), len(rungs) - 1)
+    chosen, skipped = rungs[index], rungs[:index]
+    del rungs[: index + 1]
+    return chosen, skipped
+
+
 @dataclass
 class RecoveryEvent:
     """One switch to a smaller configuration after an OOM (a line of ``metrics.jsonl``)."""
@@ -80,11 +109,14 @@ class RecoveryEvent:
     peak_at_failure: int | None
     seconds: float
     error: str = ""
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    """Rungs passed over: predicted above the memory the failure showed there is."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"event": "oom_recovery", "step": self.step, "phase": self.phase,
                 "from": self.from_config, "to": self.to_config,
-                "peak_at_failure": self.peak_at_failure, "seconds": self.seconds, "error": self.error}
+                "peak_at_failure": self.peak_at_failure, "seconds": self.seconds, "error": self.error,
+                "skipped": self.skipped}
 
 
 class DistributedOOM(TrainingError):

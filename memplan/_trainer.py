@@ -106,8 +106,8 @@ from ._checkpoint_io import (
     remove_stale_sharded, save_checkpoint, save_sharded,
 )
 from ._recovery import (
-    DistributedOOM, OOMRecord, RecoveryEvent, free_memory, restore_optimizer, restore_tensors, snapshot_optimizer,
-    snapshot_tensors,
+    DistributedOOM, OOMRecord, RecoveryEvent, free_memory, ladder_peaks, pick_rung, restore_optimizer,
+    restore_tensors, snapshot_optimizer, snapshot_tensors,
 )
 from ._schedules import SCHEDULES, LRSchedule, ScheduleName, make_schedule
 
@@ -511,6 +511,7 @@ class Trainer:
         self._stop_signal: str | None = None
         # OOM recovery: the rungs still below the running configuration, in order.
         self.ladder: list[TrainConfig] = _ladder_configs(ladder, config)
+        self._ladder_peaks = ladder_peaks(ladder)
         self._recovering = ladder is not None  # without a ladder an OOM propagates
         self._optimizer_undo: Any = None
         self._peak_floor: int | None = None
@@ -969,11 +970,12 @@ class Trainer:
         old = self.config
         if not self.ladder:
             raise self._exhausted(step, phase, peak, message)
-        new = self.ladder.pop(0)
+        new, skipped = pick_rung(self.ladder, self._ladder_peaks, self._budget())
         self._switch_config(new)
         self._tried.append(new)
         event = RecoveryEvent(step=step, phase=phase, from_config=old.to_dict(), to_config=new.to_dict(),
-                              peak_at_failure=peak, seconds=time.perf_counter() - t0, error=message or "")
+                              peak_at_failure=peak, seconds=time.perf_counter() - t0, error=message or "",
+                              skipped=[c.to_dict() for c in skipped])
         record = event.to_dict()
         self.recoveries.append(record)
         self._log({"type": "oom_recovery", **record})

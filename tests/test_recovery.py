@@ -247,6 +247,31 @@ def test_cli_train_recovers_when_the_saved_plan_no_longer_fits(tmp_path: Path, c
     assert TrainConfig.from_dict(summary["config"]).global_batch == plan.config.global_batch
 
 
+def test_recovery_skips_to_the_first_rung_predicted_to_fit_the_budget(tmp_path: Path, capsys: Any) -> None:
+    # A plan made for 4 GB trained under a budget that only the ladder's lower rungs are
+    # predicted to fit: one OOM, then straight to the first of those, not through each above it.
+    import memplan
+    import memplan.cli
+
+    path = tmp_path / "wide.py"
+    path.write_text(textwrap.dedent(MODEL_FILE))
+    plan = memplan.search(str(path), vram="4GB", global_batch=64, device="cpu", probe_top=0, trials=16,
+                          precisions=["fp32"], seed=0)
+    ladder = plan.ladder()
+    vram = int(ladder[-1].peak_bytes * 1.05)
+    expected = next(i for i, e in enumerate(ladder) if e.peak_bytes <= vram)
+    assert expected >= 1, plan.table()  # some rung above it is predicted not to fit
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "run"
+    code = memplan.cli.main(["train", str(path), "--plan", str(tmp_path / "plan.json"), "--vram", str(vram),
+                             "--max-steps", "2", "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    recoveries = json.loads((out / "summary.json").read_text())["recoveries"]
+    assert len(recoveries) == 1, recoveries
+    assert recoveries[0]["to"] == ladder[expected].config.to_dict()
+    assert recoveries[0]["skipped"] == [e.config.to_dict() for e in ladder[:expected]]
+
+
 def test_keep_global_batch_halves_the_micro_batch_and_doubles_accumulation() -> None:
     seen: list[tuple[int, int]] = []
 
