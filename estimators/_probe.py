@@ -172,6 +172,9 @@ class ProbeResult:
     message: str = ""
     overhead_s: float = 0.0
     wall_s: float = 0.0
+    raised: bool = False
+    """Status ``error`` because the configuration's own step (or the task) raised, not because
+    the probe's process died, hung or could not start: the configuration cannot run."""
 
     @property
     def ok(self) -> bool:
@@ -184,6 +187,7 @@ class ProbeResult:
             "message": self.message,
             "overhead_s": self.overhead_s,
             "wall_s": self.wall_s,
+            "raised": self.raised,
         }
 
     @classmethod
@@ -195,6 +199,7 @@ class ProbeResult:
             message=data.get("message", ""),
             overhead_s=float(data.get("overhead_s", 0.0)),
             wall_s=float(data.get("wall_s", 0.0)),
+            raised=bool(data.get("raised", False)),
         )
 
 
@@ -621,7 +626,8 @@ class Prober:
         est = reply.get("estimate") if reply else None
         steps_s = float(reply.get("steps_s", 0.0)) if reply else 0.0
         return ProbeResult(status=status, estimate=Estimate.from_dict(est) if est else None,
-                           message=message, overhead_s=max(0.0, wall - steps_s), wall_s=wall)
+                           message=message, overhead_s=max(0.0, wall - steps_s), wall_s=wall,
+                           raised=bool(reply.get("raised")) if reply and status == "error" else False)
 
     def race(self, configs: tuple[TrainConfig, TrainConfig] | list[TrainConfig], *, rounds: int = 8,
              warmup: int = 2, timeout_s: float = 120) -> RaceResult:
@@ -901,7 +907,8 @@ def _serve(msg: dict[str, Any]) -> dict[str, Any]:
                           steps=msg["steps"], warmup=msg["warmup"], budget_bytes=msg["budget_bytes"])
     except Exception as exc:  # noqa: BLE001 - every failure becomes a result
         status = "oom" if is_oom_error(exc) else "error"
-        return {"status": status, "estimate": None, "message": _describe(exc, source), "steps_s": 0.0}
+        return {"status": status, "estimate": None, "message": _describe(exc, source), "steps_s": 0.0,
+                "raised": status == "error"}
 
 
 def _describe(exc: BaseException, source: str | None) -> str:

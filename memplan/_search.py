@@ -294,16 +294,18 @@ def search(
     notes: list[str] = []
     if interrupted:
         notes.append("search interrupted; plan built from the trials completed so far")
-    summary = summarize_failures(failed)
-    if summary:
-        notes.append(summary)
+    tried = len(estimates) + len(failed)
     if any(e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     if probe_top > 0 and _can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
-        entries, probe_notes = _probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn)
+        # Configurations whose step raised when run for real join those that could not be traced.
+        entries, probe_notes = _probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn, failed)
         notes.extend(probe_notes)
         if not entries:
             raise _no_fit(estimates, budget, limit, estimator, measured=True)
+    summary = summarize_failures(failed)
+    if summary:
+        notes.append(summary)
     return Plan(
         entries=tuple(entries),
         budget_bytes=budget,
@@ -311,7 +313,7 @@ def search(
         device=estimator.device,
         gpu=estimator.spec.name if estimator.spec else None,
         global_batch=space.global_batch,
-        trials=len(estimates) + len(failed),
+        trials=tried,
         failures=failed,
         provenance=provenance(device=estimator.device, gpu=estimator.spec.name if estimator.spec else None,
                               source_hash=task.source_hash, source_path=task.source_path),
@@ -346,7 +348,8 @@ def _can_probe(estimator: Estimator, gpu: str | None) -> bool:
 
 
 def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: int, limit: int,
-                probe_fn: ProbeFn | None, race_fn: RaceFn | None) -> tuple[list[PlanEntry], list[str]]:
+                probe_fn: ProbeFn | None, race_fn: RaceFn | None,
+                failed: dict[TrainConfig, str]) -> tuple[list[PlanEntry], list[str]]:
     """Measure the best ``top`` feasible configurations; re-rank with what was measured.
 
     The two best are raced (``_race_best``) when a race can run: their times come from the
@@ -375,7 +378,7 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     wanted = top
     raced: list[PlanEntry] | None = None  # raced, left unmeasured (not probed again)
     if top >= 2 and race_fn is not None and len(rest) >= 2 and _fit_together(estimator.device, rest[0], rest[1]):
-        outcome = _race_best(task, estimator, rest, limit, memory_fn, race_fn, notes)
+        outcome = _race_best(task, estimator, rest, limit, memory_fn, race_fn, notes, failed)
         if outcome is not None:
             probed, raced, rest = outcome
             # The race measured two. Should both be dropped, the next are probed in their place;
@@ -396,6 +399,10 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
             probed.append(PlanEntry(config=entry.config, predicted=entry.predicted, measured=measured, probe_status="ok"))
         elif status == "oom":
             notes.append(f"{entry.config.describe()}: ran out of memory when probed; dropped")
+        elif getattr(result, "raised", False):
+            # Its step raised when run for real: it cannot run, as one that cannot be traced.
+            failed[entry.config] = str(getattr(result, "message", ""))
+            notes.append(f"{entry.config.describe()}: failed when probed ({failed[entry.config]}); dropped")
         else:
             notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
@@ -431,8 +438,8 @@ _RACE_TIE = 0.01
 
 
 def _race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: int, memory_fn: ProbeFn,
-               race_fn: RaceFn,
-               notes: list[str]) -> tuple[list[PlanEntry], list[PlanEntry], list[PlanEntry]] | None:
+               race_fn: RaceFn, notes: list[str],
+               failed: dict[TrainConfig, str]) -> tuple[list[PlanEntry], list[PlanEntry], list[PlanEntry]] | None:
     """Race the two best predicted configurations (``rest[0]``, ``rest[1]``); follow a clear
     win along its axis (``_follow_trend``); probe the memory of the one put first. Returns the
     measured entry (none when each raced one failed its memory probe), the raced ones left
@@ -477,12 +484,13 @@ def _race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: i
         notes.append(f"raced step against step, the predicted best ({first.config.describe()}) {verdict}: "
                      "the predicted order is kept")
         order = [first, rival]
-    probed, unmeasured = _check_memory(task, order, timed, limit, memory_fn, notes)
+    probed, unmeasured = _check_memory(task, order, timed, limit, memory_fn, notes, failed)
     return probed, unmeasured, rest
 
 
 def _check_memory(task: Task, order: list[PlanEntry], timed: dict[TrainConfig, tuple[float, int, TrainConfig]],
-                  limit: int, memory_fn: ProbeFn, notes: list[str]) -> tuple[list[PlanEntry], list[PlanEntry]]:
+                  limit: int, memory_fn: ProbeFn, notes: list[str],
+                  failed: dict[TrainConfig, str]) -> tuple[list[PlanEntry], list[PlanEntry]]:
     """Probe the memory of the raced configurations, fastest first, until one fits: it is
     measured (its time the race's), one that runs out of memory or over the budget is
     dropped, and the others stay unmeasured (their races refitted their predictions)."""
@@ -499,6 +507,10 @@ def _check_memory(task: Task, order: list[PlanEntry], timed: dict[TrainConfig, t
         elif status == "ok" and measured is not None:
             notes.append(f"{entry.config.describe()} raced fastest but measured {format_size(measured.peak_bytes)}, "
                          "over the budget; dropped")
+        elif getattr(result, "raised", False):
+            failed[entry.config] = str(getattr(result, "message", ""))
+            notes.append(f"{entry.config.describe()} raced fastest but failed when probed "
+                         f"({failed[entry.config]}); dropped")
         else:
             notes.append(f"{entry.config.describe()}: memory probe {status} ({getattr(result, 'message', '')}); "
                          "kept unmeasured")

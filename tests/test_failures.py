@@ -151,3 +151,39 @@ def test_fsdp_in_bf16_keeps_batch_norm_in_fp32_at_any_micro_batch():
         est = estimator.estimate(TrainConfig(micro_batch_size=b, precision="bf16-mixed", strategy="fsdp", world_size=2),
                                  exact=True)
         assert est.peak_bytes > 0
+
+
+def test_a_configuration_whose_step_raises_when_probed_is_dropped_and_the_next_probed(tmp_path):
+    from estimators._probe import ProbeResult
+
+    task = Task(name="mlp-run", build_model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+                sample_fn=_sample)
+    predicted = search(task, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=0,
+                       precisions=["fp32"], storage=f"sqlite:///{tmp_path / 'a.db'}")
+    best = predicted.config
+    calls: list[TrainConfig] = []
+
+    def probe_fn(t, config, budget):
+        calls.append(config)
+        if config == best:
+            return ProbeResult(status="error", message="RuntimeError: no kernel for this size", raised=True)
+        est = Estimator(t, device="cpu").estimate(config)
+        return ProbeResult(status="ok", estimate=est)
+    plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=1, precisions=["fp32"],
+                  storage=f"sqlite:///{tmp_path / 'b.db'}", probe_fn=probe_fn)
+    assert calls[0] == best and len(calls) == 2  # the failed one, then the next in its place
+    assert best not in [e.config for e in plan.entries] and best not in [e.config for e in plan.ladder()]
+    assert plan.failures == {best: "RuntimeError: no kernel for this size"}
+    assert plan.best.measured is not None and plan.best.config == calls[1]
+    assert any("could not run" in n and "no kernel for this size" in n for n in plan.notes)
+    assert plan.trials == predicted.trials
+
+
+def test_a_probe_whose_process_died_keeps_the_configuration_unmeasured():
+    # Not the configuration's fault: it stays, unmeasured, as before.
+    from estimators._probe import ProbeResult
+
+    task = Task(name="mlp-died", build_model=lambda: nn.Sequential(nn.Linear(16, 4)), sample_fn=_sample)
+    plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=1, precisions=["fp32"],
+                  probe_fn=lambda t, c, b: ProbeResult(status="error", message="the probe process died by SIGSEGV"))
+    assert not plan.failures and plan.best.probe_status == "error"
