@@ -111,31 +111,38 @@ class Task:
     def from_module(
         cls,
         module: nn.Module,
-        sample: Batch | Callable[[int], Batch],
+        sample: Batch | Callable[[int], Batch] | None = None,
         *,
         loss: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
         train_data: Callable[[], Dataset] | Dataset | None = None,
+        val_data: Callable[[], Dataset] | Dataset | None = None,
+        collate: Callable[[Sequence[Any]], Batch] | None = None,
         name: str | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> Task:
         """A task for an in-memory module. ``sample`` is a batch (leading dimension = batch)
-        or a callable ``sample(batch_size) -> batch``."""
+        or a callable ``sample(batch_size) -> batch``; without it, batches come from
+        ``train_data`` (a ``Dataset``, or a callable returning one)."""
         if not isinstance(module, nn.Module):
             raise ModelFileError(f"expected an nn.Module, got {type(module).__name__}")
-        sample_fn = sample if callable(sample) else _repeat_rows(sample)
-        data = train_data
-        if isinstance(train_data, Dataset):
-            data = (lambda d=train_data: d)
+        if sample is None and train_data is None:
+            raise ModelFileError(
+                f"{type(module).__name__}: memplan needs batches to trace the module; pass sample= (a batch, "
+                "or a callable batch_size -> batch) or train_data= (a Dataset)")
+        sample_fn = None if sample is None else (sample if callable(sample) else _repeat_rows(sample))
         return cls(
             name=name or type(module).__name__,
             build_model=lambda: module,
             loss_fn=loss or default_loss,
             build_optimizer=optimizer,
-            train_data=data,  # type: ignore[arg-type]
+            train_data=_as_factory(train_data),  # type: ignore[arg-type]
+            val_data=_as_factory(val_data),  # type: ignore[arg-type]
+            collate=collate or default_collate,
             sample_fn=sample_fn,
             settings=dict(settings or {}),
             prebuilt=module,
+            source_hash=module_fingerprint(module, sample_fn, train_data),
         )
 
     # -- pieces used by estimators and the trainer ------------------------------------
@@ -207,6 +214,35 @@ class Task:
                 return torch.empty((batch_size, *leaf.shape[1:]), dtype=leaf.dtype)
             return leaf
         return tree_map(grow, self.batch_template())
+
+
+def _as_factory(data: Callable[[], Dataset] | Dataset | None) -> Callable[[], Dataset] | None:
+    if data is None or (callable(data) and not isinstance(data, Dataset)):
+        return data  # type: ignore[return-value]
+    return lambda d=data: d
+
+
+def module_fingerprint(module: nn.Module, sample_fn: Callable[[int], Batch] | None, data: Any) -> str:
+    """What tells two in-memory models apart for a cached study: the module's structure (its
+    repr names every layer and its sizes), each parameter's and buffer's name, shape, dtype and
+    trainability, and the shapes and dtypes of a sample batch. Two models of one class but
+    other sizes, or other frozen parts, or other inputs, never share a study."""
+    h = hashlib.sha256(repr(module).encode())
+    for name, p in module.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}".encode())
+    for name, b in module.named_buffers():
+        h.update(f"{name}:{tuple(b.shape)}:{b.dtype}".encode())
+    try:
+        if sample_fn is not None:
+            batch = sample_fn(2)
+        else:
+            dataset = data() if callable(data) and not isinstance(data, Dataset) else data
+            batch = [dataset[0], len(dataset)]  # type: ignore[index,arg-type]
+        for leaf in _leaves(batch):
+            h.update((f"{tuple(leaf.shape)}:{leaf.dtype}" if isinstance(leaf, torch.Tensor) else repr(leaf)).encode())
+    except Exception:  # noqa: BLE001 - a batch that cannot be made fails later, with its own message
+        pass
+    return "module-" + h.hexdigest()[:16]
 
 
 def _cached_dataset(task: Task) -> Dataset | None:

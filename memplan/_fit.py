@@ -6,7 +6,7 @@ import inspect
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
@@ -58,14 +58,22 @@ def fit(
     *,
     vram: int | str | None = None,
     sample: Any = None,
+    train_data: Any = None,
+    val_data: Any = None,
+    loss: Callable[[nn.Module, Any], Any] | None = None,
+    optimizer: Callable[[Any], Any] | None = None,
     global_batch: int | None = None,
     device: str | None = None,
     trials: int = 60,
     probe_top: int = 2,
     seed: int = 0,
     storage: str | None = None,
+    precisions: Sequence[str] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    checkpoint_segments: Sequence[int] | None = None,
     options: TrainOptions | None = None,
     launch: LaunchSpec | None = None,
+    **option_values: Any,
 ) -> tuple[Plan, TrainResult | None]:
     """Search the configurations of ``model`` under ``vram``, then train the best one.
 
@@ -74,16 +82,45 @@ def fit(
     (``LaunchSpec(nproc_per_node=2)``), the search plans for ``nproc_per_node x nnodes``
     devices and the winner is trained on that many processes.
 
+    ``model`` is a model-file path, a ``Task``, or an ``nn.Module`` with ``train_data`` (a
+    ``Dataset``; ``sample`` alone can plan but not train), and optionally ``val_data``,
+    ``loss(model, batch)`` and ``optimizer(parameters)``. Training options are ``options``
+    (a ``TrainOptions``) or its fields as keywords (``epochs=5, ema_decay=0.999``), over the
+    model's ``settings``; ``precisions``, ``micro_batch_sizes`` and ``checkpoint_segments``
+    pin or restrict the search's axes.
+
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
+    >>> plan, result = fit(module, train_data=ds, val_data=val, vram="1GB", epochs=5)  # doctest: +SKIP
     """
-    task = resolve_task(model, sample)
-    opts = options or TrainOptions()
+    task = resolve_task(model, sample, train_data=train_data, val_data=val_data, loss=loss, optimizer=optimizer)
+    if task.train_data is None:
+        raise ConfigError(f"fit({task.name}) trains on data: pass train_data= (a Dataset), or a model file that "
+                          "defines train_data()")
+    if options is not None and option_values:
+        raise ConfigError(f"give TrainOptions or its fields as keywords, not both ({', '.join(option_values)})")
+    opts = options or _options_from(task, option_values)
     plan = resumed_plan(opts.out_dir) if opts.resume else None
     if plan is None:
         plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
-                      probe_top=probe_top, seed=seed, storage=storage, **layout_kwargs(launch))
+                      probe_top=probe_top, seed=seed, storage=storage, precisions=precisions,
+                      micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments,
+                      **layout_kwargs(launch))
     opts = replace(opts, device=plan.device, seed=seed)
     return plan, train_plan(task, plan, opts, launch=launch)
+
+
+def _options_from(task: Task, values: dict[str, Any]) -> TrainOptions:
+    """``TrainOptions`` from keywords over the task's settings, each checked by name."""
+    from ._options import option_specs, resolve_options
+    known = {spec.name for spec in option_specs()} | {"out_dir", "resume", "progress"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"fit() got unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    fixed = {k: values.pop(k) for k in ("out_dir", "resume", "progress") if k in values}
+    options = resolve_options(config=values, config_name="fit()", settings=task.settings, settings_name=task.name,
+                              **fixed)
+    return options
 
 
 def resumed_plan(out_dir: str | os.PathLike[str]) -> Plan | None:

@@ -60,13 +60,23 @@ def estimator_for(task: Task, *, device: str | None, gpu: str | None) -> Estimat
     return per_task[key]
 
 
-def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any = None) -> Task:
+def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any = None, **module_parts: Any) -> Task:
+    """The task of a model file, a ``Task``, or an ``nn.Module`` with ``sample`` and/or the
+    ``module_parts`` of :meth:`Task.from_module` (``loss``, ``optimizer``, ``train_data``,
+    ``val_data``, ``collate``, ``settings``)."""
+    parts = {k: v for k, v in module_parts.items() if v is not None}
     if isinstance(model, Task):
+        if sample is not None or parts:
+            raise ConfigError(f"{', '.join(['sample', *parts])} go with an nn.Module; a Task carries its own")
         return model
     if isinstance(model, nn.Module):
-        if sample is None:
-            raise ConfigError("search(module) needs sample=: a batch, or a callable batch_size -> batch")
-        return Task.from_module(model, sample)
+        if sample is None and parts.get("train_data") is None:
+            raise ConfigError(f"search({type(model).__name__}) needs batches: pass sample= (a batch, or a callable "
+                              "batch_size -> batch) or train_data= (a Dataset)")
+        return Task.from_module(model, sample, **parts)
+    if sample is not None or parts:
+        raise ConfigError(f"{', '.join(['sample', *parts])} go with an nn.Module; a model file defines its own "
+                          "(loss(), optimizer(), train_data(), ...)")
     return load_task(model)
 
 
@@ -138,6 +148,9 @@ def search(
     *,
     vram: int | str | None = None,
     sample: Any = None,
+    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    train_data: Any = None,
     global_batch: int | None = None,
     device: str | None = None,
     gpu: str | None = None,
@@ -148,6 +161,8 @@ def search(
     margin: float = 0.10,
     precisions: Sequence[str] | None = None,
     max_micro_batch: int | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    checkpoint_segments: Sequence[int] | None = None,
     progress: bool = False,
     probe_fn: ProbeFn | None = None,
     race_fn: RaceFn | None = None,
@@ -157,7 +172,9 @@ def search(
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
-    ``model`` is a model-file path, a :class:`Task`, or an ``nn.Module`` with ``sample``.
+    ``model`` is a model-file path, a :class:`Task`, or an ``nn.Module`` with ``sample`` (a
+    batch, or a callable ``batch_size -> batch``) or ``train_data`` (a ``Dataset``), and
+    optionally ``loss(model, batch) -> Tensor`` and ``optimizer(parameters) -> Optimizer``.
     ``vram`` is the memory budget (``"12GB"``, ``"12GiB"`` or bytes); by default the free
     memory of the local GPU, the card's memory for ``gpu=``, or half the available RAM on CPU.
     ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
@@ -182,7 +199,7 @@ def search(
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
-    task = resolve_task(model, sample)
+    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data)
     estimator = estimator_for(task, device=device, gpu=gpu)
     if vram is None:
         budget, _source = default_budget(estimator)
@@ -200,6 +217,8 @@ def search(
         max_segments=max_checkpoint_segments(blocks_model, task.checkpoint_blocks),
         max_micro_batch=max_micro_batch,
         layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
+        micro_batch_sizes=tuple(micro_batch_sizes) if micro_batch_sizes else None,
+        checkpoint_segments=tuple(checkpoint_segments) if checkpoint_segments is not None else None,
     )
 
     if probe_top > 0 and probe_fn is None and _can_probe(estimator, gpu) and all(

@@ -104,7 +104,12 @@ def build_space(
     max_segments: int,
     max_micro_batch: int | None = None,
     layouts: tuple[Layout, ...] = (Layout(),),
+    micro_batch_sizes: tuple[int, ...] | None = None,
+    checkpoint_segments: tuple[int, ...] | None = None,
 ) -> SearchSpace:
+    """The space; ``micro_batch_sizes`` and ``checkpoint_segments`` pin or restrict those axes
+    (each value must be one the space could hold: a divisor of the per-rank global batch, a
+    segment count up to the model's blocks)."""
     world_size = max(layout.world_size for layout in layouts)
     limit = MAX_KERNEL_BATCH
     if dataset_size:
@@ -126,7 +131,27 @@ def build_space(
         micros = _powers_of_two(limit)
     if not micros:
         raise ConfigError("no micro-batch size fits the dataset; check train_data() and --global-batch")
-    return SearchSpace(tuple(micros), precisions, _segment_choices(max_segments), global_batch, layouts)
+    segments = _segment_choices(max_segments)
+    if micro_batch_sizes is not None:
+        if global_batch is not None:
+            per_rank = global_batch // world_size
+            bad = [m for m in micro_batch_sizes if m < 1 or per_rank % m or m > limit]
+            if bad:
+                raise ConfigError(f"--micro-batch {','.join(map(str, bad))} does not divide the per-device global "
+                                  f"batch {per_rank}; choose from {','.join(map(str, micros))}")
+        else:
+            bad = [m for m in micro_batch_sizes if m < 1 or m > limit]
+            if bad:
+                raise ConfigError(f"--micro-batch {','.join(map(str, bad))} is outside 1..{limit} (the dataset size "
+                                  "and the kernels' batch limit)")
+        micros = sorted(set(micro_batch_sizes))
+    if checkpoint_segments is not None:
+        bad = [c for c in checkpoint_segments if not 0 <= c <= max_segments]
+        if bad:
+            raise ConfigError(f"--checkpoint {','.join(map(str, bad))} is more segments than the model's "
+                              f"{max_segments} blocks; choose from 0..{max_segments}")
+        segments = tuple(sorted(set(checkpoint_segments)))
+    return SearchSpace(tuple(micros), precisions, segments, global_batch, layouts)
 
 
 def layouts_for(gpus: int = 1, nodes: int = 1, strategies: tuple[Strategy, ...] | None = None) -> tuple[Layout, ...]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Sequence
 
 from estimators import (
@@ -108,6 +110,11 @@ class ProbeCommand:
 
 def _add_search_args(p: argparse.ArgumentParser) -> None:
     _add_common_args(p)
+    p.add_argument("--config", default=None, help="a TOML file of options (memplan init writes one); flags override it")
+    p.add_argument("--precision", default=None, help="precisions to search, e.g. bf16-mixed,fp32 (default: what the device runs well)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint segments to search, e.g. 0 or 0,2 (default: 0, powers of two, every block)")
+    p.add_argument("--micro-batch", default=None, help="micro-batch sizes to search, e.g. 8,16 (default: all that fit the global batch)")
+    p.add_argument("--strategy", default=None, help="strategies to search with --gpus > 1: ddp, fsdp or ddp,fsdp")
     p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
     p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
@@ -152,8 +159,21 @@ def _layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
     return gpus, nodes
 
 
+def _counts(text: str | None, what: str, minimum: int = 1) -> list[int] | None:
+    if text is None:
+        return None
+    return [parse_count(v.strip(), what=what, minimum=minimum) for v in str(text).split(",") if v.strip()]
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [v.strip() for v in str(text).split(",") if v.strip()] if text is not None else None
+
+
 def _search_kwargs(args: argparse.Namespace) -> dict:
     return dict(
+        precisions=_names(args.precision), strategies=_names(args.strategy),
+        checkpoint_segments=_counts(args.checkpoint, "--checkpoint", minimum=0),
+        micro_batch_sizes=_counts(args.micro_batch, "--micro-batch"),
         vram=args.vram, gpu=args.gpu, device=args.device,
         global_batch=parse_count(args.global_batch, what="--global-batch") if args.global_batch else None,
         trials=parse_count(args.trials, what="--trials"),
@@ -187,28 +207,22 @@ class PlanCommand:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--epochs", default=None, help="passes over the training data")
-    p.add_argument("--max-steps", default=None, help="optimizer steps")
-    p.add_argument("--lr", default=None, help="peak learning rate")
+    from ._options import add_option_flags
     p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (fit: with OUT/plan.json, no search)")
+    add_option_flags(p)
 
 
-def _train_options(args: argparse.Namespace, device: str):
+def _train_options(args: argparse.Namespace, device: str, task):
     from pathlib import Path
-    from ._trainer import TrainOptions
-    from estimators import ConfigError
-    lr = None
-    if args.lr is not None:
-        try:
-            lr = float(args.lr)
-        except ValueError:
-            raise ConfigError(f"--lr must be a number such as 3e-4, got {args.lr!r}") from None
-    return TrainOptions(
-        epochs=parse_count(args.epochs, what="--epochs") if args.epochs else None,
-        max_steps=parse_count(args.max_steps, what="--max-steps") if args.max_steps else None,
-        lr=lr, out_dir=Path(args.out), resume=args.resume, device=device,
-        progress=not args.no_progress,
+    from ._options import option_specs, resolve_options
+    config = getattr(args, "config_values", None)
+    return resolve_options(
+        cli={spec.name: getattr(args, spec.dest, None) for spec in option_specs()},
+        config=config, config_name=Path(args.config).name if config is not None else "config",
+        settings=task.settings, settings_name=Path(task.source_path).name if task.source_path else task.name,
+        out_dir=Path(args.out), resume=args.resume, device=device, progress=not args.no_progress,
+        seed=parse_count(args.seed, what="--seed", minimum=0) if getattr(args, "seed", None) is not None else None,
     )
 
 
@@ -255,6 +269,7 @@ class FitCommand:
             args.nnodes = str(nodes)
         spec = _launch_spec(args, nproc if nproc is not None else gpus)
         task = resolve_task(args.model)
+        options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
         plan = resumed_plan(args.out) if args.resume else None
         if plan is None:
             plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args),
@@ -263,7 +278,7 @@ class FitCommand:
             _check_device(args, plan)
             print(f"resuming the plan in {args.out}/plan.json (no search)")
         print(plan.table())
-        result = train_plan(task, plan, _train_options(args, plan.device), launch=spec)
+        result = train_plan(task, plan, replace(options, device=plan.device), launch=spec)
         _print_result(result)
         return 0
 
@@ -275,7 +290,9 @@ class TrainCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         _add_common_args(p)
+        p.add_argument("--config", default=None, help="a TOML file of training options; flags override it")
         p.add_argument("--plan", required=True, help="plan.json written by memplan plan --out")
+        p.add_argument("--seed", default=None, help="seed of initialisation, dropout and data order (default 0)")
         p.add_argument("--vram", default=None, help="budget to enforce on each device (default: the plan's)")
         _add_train_args(p)
         _add_launch_args(p)
@@ -284,14 +301,33 @@ class TrainCommand:
         from ._fit import train_plan
         from ._plan import Plan
         task = load_task(args.model)
+        options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
         _check_device(args, plan)
-        result = train_plan(task, plan, _train_options(args, plan.device), vram=args.vram, launch=_launch_spec(args))
+        result = train_plan(task, plan, replace(options, device=plan.device), vram=args.vram, launch=_launch_spec(args))
         _print_result(result)
         return 0
 
 
-_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand())}
+class InitCommand:
+    """Write a commented model-file template and a config template to start from."""
+
+    name = "init"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("directory", nargs="?", default=".", help="where to write model.py and memplan.toml (default: here)")
+        p.add_argument("--force", action="store_true", help="overwrite existing files")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._init import write_templates
+        for path in write_templates(args.directory, force=args.force):
+            print(f"wrote {path}")
+        print(f"next: memplan fit {Path(args.directory) / 'model.py'} --config {Path(args.directory) / 'memplan.toml'} --vram 1GB")
+        return 0
+
+
+_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand(),
+                                        InitCommand())}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
+def _apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """The config file's search keys fill the flags not written out; its training options
+    are kept for ``_train_options`` (below the flags, above the model file's settings)."""
+    from ._options import SEARCH_KEYS, explicit_dests, read_config
+    config = read_config(args.config)
+    given = explicit_dests(parser, argv)
+    for key in SEARCH_KEYS:
+        if key in config and hasattr(args, key) and key not in given:
+            value = config[key]
+            setattr(args, key, ",".join(map(str, value)) if isinstance(value, list) else str(value))
+    args.config_values = {k: v for k, v in config.items() if k not in SEARCH_KEYS}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -314,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Named by the command they were given to, not by the top-level parser.
         _SUBPARSERS[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if getattr(args, "config", None):
+            _apply_config(args, _SUBPARSERS[args.command], list(argv) if argv is not None else sys.argv[1:])
         return _COMMANDS[args.command].run(args)
     except MemplanError as exc:
         sys.stderr.write(f"memplan: {exc}\n".replace("\n", " ").rstrip() + "\n")
