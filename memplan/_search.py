@@ -220,6 +220,7 @@ def search(
         micro_batch_sizes=tuple(micro_batch_sizes) if micro_batch_sizes else None,
         checkpoint_segments=tuple(checkpoint_segments) if checkpoint_segments is not None else None,
     )
+    _refuse_from_lower_bound(task, blocks_model, space, budget, limit, estimator)
 
     if probe_top > 0 and probe_fn is None and _can_probe(estimator, gpu) and all(
             layout.strategy == "single" for layout in space.layouts):
@@ -721,6 +722,46 @@ def _probe_order(entries: list[PlanEntry]) -> list[PlanEntry]:
             first.append(e)
             seen.add(e.config.precision)
     return first + [e for e in distinct if e not in first] + twins
+
+
+def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, int]:
+    """(bytes, parameters, shards): the least any configuration of ``space`` can hold per
+    device before a single activation or optimizer state — every parameter and the gradient
+    of every trainable one, in the dtypes the model is built in (mixed precision keeps fp32
+    weights; a ``TrainConfig`` has no lower-precision weights), split over the ranks when FSDP2
+    is searched (shared parameters counted once)."""
+    seen: set[int] = set()
+    states = params = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params += p.numel()
+        states += p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+    shards = max((layout.world_size for layout in space.layouts if layout.strategy == "fsdp"), default=1)
+    return states // shards, params, shards
+
+
+def _refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, budget: int, limit: int,
+                             estimator: Estimator) -> None:
+    """Say at once, without a trace, that nothing fits when the model's own states do not: a
+    3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta,
+    not after a search's traces."""
+    floor, params, shards = _model_state_floor(model, space)
+    if floor <= limit:
+        return
+    where = f" per device over {shards} FSDP2 ranks" if shards > 1 else ""
+    need_gb = math.ceil(floor / (1 - (1 - limit / budget)) / 1e9)
+    hints = [f"a card with >= {need_gb} GB" if estimator.device == "cuda" else f"--vram {need_gb}GB or more"]
+    devices = max(2, 2 * shards)
+    hints.append(f"FSDP over {devices} devices (--gpus {devices})")
+    hints.append("a smaller model, or frozen parts (no gradients)")
+    raise NoFeasiblePlanError(
+        f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {task.name}'s "
+        f"{params:,} parameters and their gradients alone need {format_size(floor)}{where}, before any activation "
+        f"or optimizer state — try {', '.join(hints)}",
+        nearest=None, needed_bytes=floor, budget_bytes=budget,
+    )
 
 
 def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:

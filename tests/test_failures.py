@@ -187,3 +187,25 @@ def test_a_probe_whose_process_died_keeps_the_configuration_unmeasured():
     plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=1, precisions=["fp32"],
                   probe_fn=lambda t, c, b: ProbeResult(status="error", message="the probe process died by SIGSEGV"))
     assert not plan.failures and plan.best.probe_status == "error"
+
+
+def test_a_model_whose_states_cannot_fit_is_refused_without_a_trace(monkeypatch):
+    # 400M parameters: 3.2 GB of fp32 weights and gradients, before anything else.
+    from estimators import NoFeasiblePlanError, _estimate
+    traced: list = []
+    monkeypatch.setattr(_estimate, "trace_step", lambda *a, **k: traced.append(a) or (_ for _ in ()).throw(AssertionError))
+    task = Task(name="huge", build_model=lambda: nn.Sequential(nn.Linear(20000, 20000), nn.Linear(20000, 4)),
+                sample_fn=lambda b: (torch.randn(b, 20000), torch.randint(0, 4, (b,))))
+    with pytest.raises(NoFeasiblePlanError) as info:
+        search(task, vram="1GB", device="cpu", global_batch=8, probe_top=0)
+    message = str(info.value)
+    assert "400,100,004 parameters and their gradients alone need 3.20 GB" in message and "--vram 4GB" in message
+    assert traced == [] and info.value.needed_bytes == 2 * 4 * 400_100_004
+    # Sharded over 8 FSDP2 ranks the floor is an eighth: it is searched, not refused at once.
+    from memplan._search import _model_state_floor
+    from memplan._space import layouts_for
+    space = build_space(dataset_size=None, global_batch=8, precisions=("fp32",), max_segments=0,
+                        layouts=layouts_for(8, 1))
+    with torch.device("meta"):
+        floor, _, shards = _model_state_floor(task.build_model(), space)
+    assert shards == 8 and floor == 2 * 4 * 400_100_004 // 8

@@ -83,12 +83,13 @@ def test_precision_filtered_by_device():
 
 
 def test_no_feasible_plan_names_the_nearest_miss_and_the_fix():
+    # 250 kB: above the model's parameters and gradients (151 kB), below any plan (370 kB+).
     with pytest.raises(NoFeasiblePlanError) as info:
-        search(lm(), vram="100kB", device="cpu", global_batch=4, probe_top=0)
+        search(lm(), vram="250kB", device="cpu", global_batch=4, probe_top=0)
     message = str(info.value)
-    assert message.startswith("nothing fits in 100 kB")
+    assert message.startswith("nothing fits in 250 kB")
     assert "the smallest plan (micro-batch 1" in message and "params" in message and "try" in message
-    assert info.value.needed_bytes > 100_000
+    assert info.value.needed_bytes > 250_000
 
 
 def test_resumed_study_reuses_its_trials(tmp_path):
