@@ -20,9 +20,12 @@ from tabulate import tabulate
 
 from estimators import ConfigError, Estimate, TrainConfig, format_size
 
-__all__ = ["PlanEntry", "Plan", "provenance"]
+__all__ = ["PlanEntry", "Plan", "provenance", "RACED_NOTE"]
 
 PLAN_FORMAT = 1
+
+RACED_NOTE = "time: median of"
+"""How an estimate's note begins when its step time was measured by a race, not predicted."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,16 @@ class PlanEntry:
     def samples_per_s(self) -> float:
         source = self.measured if (self.measured is not None and self.measured.samples_per_s) else self.predicted
         return float(source.samples_per_s or 0.0)
+
+    @property
+    def source(self) -> str:
+        """Where the figures come from: measured (a probe; its time may be a race's), raced
+        (time from a race, memory predicted), modelled (a CUDA prediction) or predicted."""
+        if self.measured is not None:
+            return "measured"
+        if any(n.startswith(RACED_NOTE) for n in self.predicted.notes):
+            return "raced"
+        return "modelled" if self.predicted.modelled else "predicted"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -214,7 +227,7 @@ class Plan:
                 rank, c.micro_batch_size, c.grad_accum_steps, c.precision, c.checkpoint_segments,
                 f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
                 format_size(e.peak_bytes), f"{e.samples_per_s:,.1f}",
-                "measured" if e.measured is not None else ("modelled" if e.predicted.modelled else "predicted"),
+                e.source,
             ])
         target = self.gpu or self.device
         head = (

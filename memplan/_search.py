@@ -35,7 +35,7 @@ from estimators import (
 from estimators._checkpoint import max_checkpoint_segments
 from estimators._config import Precision
 
-from ._plan import Plan, PlanEntry, provenance
+from ._plan import RACED_NOTE, Plan, PlanEntry, provenance
 from ._failures import Failures as _Failures, summarize_failures
 from ._space import SearchSpace, build_space, layouts_for
 from ._study import MirroredStudy
@@ -433,7 +433,9 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     rest = (raced or []) + rest
     # Unprobed configurations get the time model refitted by the probes and races (from
     # their predictions' stored parts: a resumed study's configurations are not traced again).
-    refreshed = [PlanEntry(config=e.config, predicted=estimator.recalibrated(e.predicted), probe_status=e.probe_status)
+    timed_by_race = {e.config for e in raced or [] if e.source == "raced"}
+    refreshed = [e if e.config in timed_by_race else
+                 PlanEntry(config=e.config, predicted=estimator.recalibrated(e.predicted), probe_status=e.probe_status)
                  for e in rest]
     measured_sorted = sorted(probed, key=lambda e: -e.samples_per_s)
     if kept is not None:
@@ -521,7 +523,9 @@ def _check_memory(task: Task, order: list[PlanEntry], timed: dict[TrainConfig, t
         if status == "ok" and measured is not None and _need(measured) <= limit:
             step, rounds, other = timed[entry.config]
             entry = replace(entry, measured=_raced(measured, entry.config, step, rounds, other), probe_status="ok")
-            return [entry], order[i + 1:]
+            # The others were timed by the race too: that is their figure, not the time model's.
+            losers = [replace(e, predicted=_raced(e.predicted, e.config, *timed[e.config])) for e in order[i + 1:]]
+            return [entry], losers
         if status == "oom":
             notes.append(f"{entry.config.describe()} raced fastest but ran out of memory when probed; dropped")
         elif status == "ok" and measured is not None:
@@ -572,7 +576,7 @@ def _fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
 def _raced(measured: Estimate, config: TrainConfig, step: float, rounds: int, other: TrainConfig) -> Estimate:
     """A probe's figures with the time a race measured in its place."""
     return replace(measured, step_time_s=step, samples_per_s=config.global_batch / step,
-                   notes=(*measured.notes, f"time: median of {rounds} steps raced step against step "
+                   notes=(*measured.notes, f"{RACED_NOTE} {rounds} steps raced step against step "
                                            f"with {other.describe()} in one process"))
 
 

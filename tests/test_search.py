@@ -466,6 +466,11 @@ def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
     assert f"raced step against step with {second.describe()}" in plan.best.measured.notes[-1]
     by_config = {e.config: e for e in plan.entries}
     assert by_config[first].measured is None and by_config[second].measured is None
+    # The raced losers show the race's times (first: 0.5 s against second; second: 0.4 s
+    # against third), not the time model's.
+    assert by_config[first].predicted.step_time_s == pytest.approx(0.5) and by_config[first].source == "raced"
+    assert by_config[second].predicted.step_time_s == pytest.approx(0.4) and by_config[second].source == "raced"
+    assert "raced" in plan.table()
     assert any("faster than the predicted best" in n and "in 3 of 4 rounds (by 25% on the median): it goes above the "
                "predicted best" in n for n in plan.notes)
     assert any(n.startswith(f"one step further, {third.describe()} raced {second.describe()}: faster") for n in plan.notes)
