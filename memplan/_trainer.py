@@ -16,7 +16,11 @@ predicted is the memory that is used:
 
 What runs beyond the predicted step, and costs memory the estimate does not include: the EMA
 copy of the weights (``ema_decay``), a second copy of the evaluated weights while EMA weights
-are swapped in for evaluation, gradient-norm clipping's temporaries, and ``torch.compile``.
+are swapped in for evaluation, gradient clipping's temporaries (one 0-d tensor per gradient,
+freed before the optimizer step: no change of the measured peak in
+``benchmarks/results/technique_memory.md``), ``torch.compile``, and the DataLoader's workers and
+pinned buffers (host memory). The GradScaler's parameters, the schedules, ``drop_last`` and
+early stopping change no memory.
 
 Data order is a pure function of ``(seed, epoch)``: each epoch is a permutation drawn from a
 generator seeded with both, cut into micro-batches, grouped into windows of
@@ -136,52 +140,69 @@ class TrainOptions:
     """Peak learning rate for every parameter group. ``None``: ``settings["lr"]`` of the model
     file, else the optimizer's own lr per group."""
     schedule: ScheduleName | None = None
-    """LR schedule, stepped once per optimizer step: cosine, onecycle, step, multistep,
-    exponential, cosine_restarts, plateau or constant (see :mod:`memplan._schedules`). ``None``:
-    the model file's ``scheduler(optimizer, total_steps)`` if it defines one, else ``cosine``
-    (linear warm-up + cosine). A name given here is used even when the model file defines one."""
+    """Learning-rate schedule, stepped once per optimizer step.
+    One of cosine, onecycle, step, multistep, exponential, cosine_restarts, plateau, constant
+    (see :mod:`memplan._schedules`). ``None``: the model file's ``scheduler(optimizer,
+    total_steps)`` if it defines one, else ``cosine`` (linear warm-up + cosine). A name given
+    here is used even when the model file defines ``scheduler()``."""
     schedule_args: Mapping[str, Any] | None = None
-    """Further shape arguments of the schedule (``min_lr_ratio``, ``div_factor``, ``factor``,
-    ``patience``, ``threshold``, …); those that have their own option below go there instead."""
+    """Further shape arguments of the built-in schedule, by name.
+    E.g. ``min_lr_ratio``, ``div_factor``, ``final_div_factor``, ``factor``, ``patience``,
+    ``threshold``; those with an option of their own below are set there instead."""
     warmup_steps: int | None = None
-    """Linear warm-up in optimizer steps (onecycle: its rise). ``None``: ``settings["warmup_steps"]``, else 0."""
+    """Linear warm-up, in optimizer steps (onecycle: its rise).
+    ``None``: ``settings["warmup_steps"]`` of the model file, else 0."""
     gamma: float | None = None
-    """LR multiplier of the step and multistep schedules at each drop (default 0.1) and of the
-    exponential schedule at every step (required there, e.g. 0.999)."""
+    """LR multiplier of the step, multistep and exponential schedules.
+    step/multistep: at each drop (default 0.1); exponential: at every step (required, e.g. 0.999)."""
     step_size: int | None = None
-    """Step schedule: optimizer steps between drops. ``None``: a third of the steps after warm-up."""
+    """Step schedule: optimizer steps between lr drops.
+    ``None``: a third of the steps after the warm-up (two drops)."""
     milestones: tuple[int, ...] | None = None
-    """Multistep schedule (required there): optimizer steps after the warm-up at which the lr is
-    multiplied by ``gamma``, increasing (e.g. ``(3000, 4000)``)."""
+    """Multistep schedule: the steps at which the lr is multiplied by gamma.
+    Required there; increasing optimizer-step counts after the warm-up, e.g. ``(3000, 4000)``."""
     t_0: int | None = None
-    """cosine_restarts schedule (required there): optimizer steps of the first cosine period."""
+    """cosine_restarts schedule: optimizer steps of the first cosine period (required there)."""
     t_mult: int | None = None
-    """cosine_restarts schedule: each period is this many times longer than the last (default 1)."""
+    """cosine_restarts schedule: factor by which each period is longer than the last (default 1)."""
     min_lr: float | None = None
-    """Absolute lowest lr of the cosine, cosine_restarts (default 0, torch's ``eta_min``) and
-    plateau schedules (torch's ``min_lr``); replaces their ``min_lr_ratio``."""
+    """Absolute lowest lr of the cosine, cosine_restarts and plateau schedules.
+    cosine_restarts' default is 0 (torch's ``eta_min``); plateau's is torch's ``min_lr``. Replaces
+    the schedule's ``min_lr_ratio`` (cosine 0.1, plateau 1e-3 of the base lr)."""
     pct_start: float | None = None
-    """Onecycle schedule: fraction of the run spent raising the lr (default 0.3); instead of
-    ``warmup_steps``, which also sets the rise."""
+    """Onecycle schedule: fraction of the run spent raising the lr (default 0.3).
+    Sets the rise instead of ``warmup_steps`` (set one of the two)."""
     anneal_strategy: Literal["cos", "linear"] | None = None
-    """Onecycle schedule: shape of the rise and fall, ``cos`` (default) or ``linear``."""
+    """Onecycle schedule: shape of the lr's rise and fall, cos (default) or linear."""
     cycle_momentum: bool = False
-    """Onecycle schedule: cycle the momentum (SGD's ``momentum``, the Adam family's ``betas[0]``)
-    against the lr, from ``max_momentum`` down to ``base_momentum`` at the peak lr and back."""
+    """Onecycle schedule: cycle the momentum against the lr.
+    SGD's ``momentum`` or the Adam family's ``betas[0]`` goes from ``max_momentum`` down to
+    ``base_momentum`` at the peak lr and back up, as ``torch.optim.lr_scheduler.OneCycleLR``."""
     base_momentum: float | None = None
-    """Onecycle with ``cycle_momentum``: the momentum at the peak lr (default 0.85)."""
+    """Onecycle with cycle_momentum: the momentum at the peak lr (default 0.85)."""
     max_momentum: float | None = None
-    """Onecycle with ``cycle_momentum``: the momentum at the start and end (default 0.95)."""
+    """Onecycle with cycle_momentum: the momentum at the start and the end (default 0.95)."""
     cooldown: int | None = None
     """Plateau schedule: evaluations after a reduction during which no stall is counted (default 0)."""
     grad_clip: float | None = 1.0
-    """Gradient clipping threshold: the global norm's (``grad_clip_mode="norm"``) or each
-    gradient element's absolute value (``"value"``). ``None``: no clipping."""
+    """Gradient clipping threshold (``None``: no clipping).
+    The global gradient norm's with ``grad_clip_mode="norm"``, each gradient element's absolute
+    value with ``"value"``."""
     grad_clip_mode: Literal["norm", "value", "off"] = "norm"
-    """``norm`` (``clip_grad_norm_``), ``value`` (``clip_grad_value_``) or ``off``. Under fp16 the
-    GradScaler unscales the gradients first. Both modes compute the global gradient norm (it is
-    logged, and without a GradScaler an inf/NaN norm skips the step): a few bytes per parameter
-    tensor the estimate does not include (their values are clipped in place)."""
+    """How gradients are clipped: norm (clip_grad_norm_), value (clip_grad_value_) or off.
+    Under fp16 the GradScaler unscales the gradients first. Both modes compute the global
+    gradient norm (logged; without a GradScaler an inf/NaN norm skips the step): one 0-d
+    tensor per gradient, not in the estimate, freed before the optimizer step (measured: no
+    change of the peak, ``benchmarks/results/technique_memory.md``)."""
+    scaler_init_scale: float = 65536.0
+    """fp16 GradScaler: the initial loss scale (torch's default, 2**16)."""
+    scaler_growth_factor: float = 2.0
+    """fp16 GradScaler: factor the scale grows by after scaler_growth_interval clean steps."""
+    scaler_backoff_factor: float = 0.5
+    """fp16 GradScaler: factor the scale shrinks by after a step with inf/NaN gradients."""
+    scaler_growth_interval: int = 2000
+    """fp16 GradScaler: consecutive steps without inf/NaN gradients before the scale grows."""
+
     label_smoothing: float = 0.0
     """Label smoothing of the training loss. Only with the default loss (cross-entropy of
     ``model(inputs)``); a model file with its own ``loss()`` passes ``label_smoothing`` to
@@ -193,9 +214,9 @@ class TrainOptions:
     """Stop after this many evaluations without improvement of ``monitor``; the best weights
     are restored at the end. ``None``: train to the end (final weights are written)."""
     early_stopping_min_delta: float = 0.0
-    """Early stopping: an evaluation improves only if it beats the last improvement's value of
-    ``monitor`` by more than this (smaller gains count as no improvement toward the patience;
-    the best weights still follow every gain)."""
+    """Early stopping: the least change of monitor that counts as an improvement.
+    A gain of at most this over the value at the last counted improvement is a stall toward
+    the patience; the best weights still follow every gain."""
     monitor: str = "val_loss"
     """Validation metric for best weights, early stopping and the plateau schedule."""
     monitor_mode: Literal["min", "max"] | None = None
@@ -217,22 +238,23 @@ class TrainOptions:
     compile: bool = False
     """Run the forward pass through ``torch.compile`` (state dicts keep their plain names)."""
     num_workers: int | None = None
-    """DataLoader worker processes. ``None``: 0 for in-memory ``TensorDataset``s (indexing a
-    tensor is cheaper than shipping it between processes), else ``min(2, cpus - 1)`` so that
-    at least one core is left to the training process itself. Workers cost host memory, not
-    the device's: the estimate does not include them."""
+    """DataLoader worker processes.
+    ``None``: 0 for in-memory ``TensorDataset``s (indexing a tensor is cheaper than shipping it
+    between processes), else ``min(2, cpus - 1)`` so that at least one core is left to the
+    training process itself. Workers cost host memory, not the device's: not in the estimate."""
     prefetch_factor: int = 2
-    """Batches each worker loads ahead (only with workers; host memory, not in the estimate)."""
+    """Batches each DataLoader worker loads ahead (with workers only; host memory)."""
     pin_memory: bool | None = None
-    """Load batches into page-locked host memory (faster, asynchronous copies to the GPU).
-    ``None``: on CUDA only. Host memory, not in the estimate."""
+    """Load batches into page-locked host memory, for asynchronous copies to the GPU.
+    ``None``: on CUDA only. Host memory, not the device's: not in the estimate."""
     persistent_workers: bool | None = None
-    """Keep the DataLoader workers alive between epochs. ``None``: whenever there are workers."""
+    """Keep the DataLoader workers alive between epochs (``None``: whenever there are workers)."""
     drop_last: bool = False
-    """Skip each epoch's last, short optimizer step: the items of the epoch's permutation after
-    the last whole global batch (``micro_batch_size x grad_accum_steps x ranks``) are not
-    trained that epoch (another permutation leaves out others the next). Validation keeps every
-    item. ``False``: the short last window is trained, weighted like a full one."""
+    """Skip each epoch's last, short optimizer step.
+    The items of the epoch's permutation after its last whole global batch (micro-batch x
+    accumulation x ranks) are not trained that epoch; the next epoch's permutation leaves out
+    others. Validation keeps every item. ``False``: the short last window is trained, weighted
+    by its items. A run resumes only with the setting it was started with."""
     max_nonfinite: int = 3
     """Stop with ``TrainingError`` after this many consecutive windows with a NaN/inf loss."""
     progress: bool = True
@@ -241,15 +263,6 @@ class TrainOptions:
     """JSON-lines metrics log. ``None``: ``out_dir/metrics.jsonl``."""
     predicted_peak_bytes: int | None = None
     """The estimate's peak, compared with the measured peak in the summary."""
-    scaler_init_scale: float = 65536.0
-    """fp16 GradScaler: the first loss scale (torch's default 2**16)."""
-    scaler_growth_factor: float = 2.0
-    """fp16 GradScaler: the scale is multiplied by this after ``scaler_growth_interval`` clean steps."""
-    scaler_backoff_factor: float = 0.5
-    """fp16 GradScaler: the scale is multiplied by this when a step has inf/NaN gradients."""
-    scaler_growth_interval: int = 2000
-    """fp16 GradScaler: consecutive steps without inf/NaN gradients before the scale grows."""
-
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         if self.metrics_path is not None:
