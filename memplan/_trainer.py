@@ -696,6 +696,14 @@ class Trainer:
         ) if on]
         if needs_val and task.val_data is None:
             raise ConfigError(f"{', '.join(needs_val)} needs validation data; define val_data() in {task.name}")
+        if options.schedule is None and task.build_scheduler is not None:
+            # Checked before any data is loaded: the model file's scheduler() owns the lr.
+            given = options.set_schedule_fields() + (["warmup_steps"] if options.warmup_steps else [])
+            if given or task.settings.get("warmup_steps"):
+                what = ", ".join(f"TrainOptions.{n}" for n in given) or 'settings["warmup_steps"]'
+                raise ConfigError(
+                    f"{what} shapes a built-in schedule, but {task.name} defines scheduler(), which owns the lr; "
+                    "drop it (put a warm-up into scheduler()), or name a built-in schedule to use instead")
         if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA GPU; use device='cpu'")
         self.task, self.config, self.options = task, config, options
@@ -911,12 +919,6 @@ class Trainer:
         opts, task = self.options, self.task
         self.schedule_needs_val = False
         if opts.schedule is None and task.build_scheduler is not None:
-            given = opts.set_schedule_fields() + (["warmup_steps"] if opts.warmup_steps else [])
-            if given or task.settings.get("warmup_steps"):
-                what = ", ".join(f"TrainOptions.{n}" for n in given) or 'settings["warmup_steps"]'
-                raise ConfigError(
-                    f"{what} shapes a built-in schedule, but {task.name} defines scheduler(), which owns the lr; "
-                    "drop it (put a warm-up into scheduler()), or name a built-in schedule to use instead")
             try:
                 made = task.build_scheduler(self.optimizer, self.total_steps)
             except Exception as exc:  # noqa: BLE001 - the user's code, reported with the fix
@@ -927,6 +929,8 @@ class Trainer:
             return schedule
         warmup = opts.warmup_steps if opts.warmup_steps is not None else int(task.settings.get("warmup_steps", 0))
         name = opts.schedule or "cosine"
+        if name == "onecycle" and opts.pct_start is not None and opts.warmup_steps is None:
+            warmup = 0  # pct_start sets the rise; the model file's default warm-up gives way to it
         schedule_args = opts.schedule_kwargs()
         if name == "plateau":
             schedule_args.setdefault("mode", opts.mode)

@@ -260,6 +260,17 @@ def test_a_model_files_scheduler_is_stepped_per_optimizer_step_and_resumes(tmp_p
     assert lrs_of(tmp_path / "named") == pytest.approx([0.1] * 3)
 
 
+
+def test_onecycle_pct_start_overrides_the_model_files_default_warmup(tmp_path: Path) -> None:
+    task = tiny_task()
+    task = Task(**{**{f: getattr(task, f) for f in ("name", "build_model", "train_data", "val_data")},
+                   "settings": {"lr": 0.1, "warmup_steps": 7}})
+    _TASKS.append(task)
+    train(task, TrainConfig(micro_batch_size=8), opts(tmp_path, "oc", max_steps=10, schedule="onecycle", pct_start=0.2))
+    lrs = lrs_of(tmp_path / "oc")
+    assert lrs.index(max(lrs)) == 2  # the rise is 20% of 10 steps, not settings' 7 warm-up steps
+
+
 def test_a_model_files_reduce_on_plateau_is_stepped_with_the_metric(tmp_path: Path) -> None:
     body = "return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)"
     train(scheduler_task(tmp_path, body), TrainConfig(micro_batch_size=8), opts(tmp_path, "rop", max_steps=4, eval_every=1))
