@@ -102,6 +102,12 @@ def test_multistep_and_exponential_reach_the_trainer(tmp_path: Path) -> None:
     assert lrs_of(tmp_path / "msw") == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.05, 0.05, 0.05])
 
 
+def test_step_size_reaches_the_trainer(tmp_path: Path) -> None:
+    train(tiny_task(), TrainConfig(micro_batch_size=8),
+          opts(tmp_path, "st", max_steps=6, lr=0.1, schedule="step", step_size=2, gamma=0.5))
+    assert lrs_of(tmp_path / "st") == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
+
+
 def test_cosine_restarts_equal_torchs_warm_restarts(tmp_path: Path) -> None:
     train(tiny_task(), TrainConfig(micro_batch_size=8),
           opts(tmp_path, "sgdr", max_steps=20, lr=0.1, schedule="cosine_restarts", t_0=3, t_mult=2, min_lr=0.01))
@@ -183,6 +189,11 @@ def test_plateau_cooldown_reaches_the_trainer(tmp_path: Path) -> None:
         lrs[cooldown] = lrs_of(tmp_path / name)
     assert lrs[0][-1] < lrs[2][-1] < 0.1
     assert len(set(lrs[2])) < len(set(lrs[0]))
+    train(tiny_task(val="flipped"), TrainConfig(micro_batch_size=8),
+          opts(tmp_path, "floor", max_steps=8, lr=0.1, schedule="plateau", min_lr=0.03,
+               schedule_args={"patience": 0}, eval_every=1, grad_clip=None))
+    floored = lrs_of(tmp_path / "floor")
+    assert min(floored) == pytest.approx(0.03) and floored[-1] == pytest.approx(0.03)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -352,6 +363,14 @@ def test_grad_scaler_parameters_reach_the_scaler_and_the_recovery_switch(tmp_pat
     trainer._switch_config(TrainConfig(micro_batch_size=4, grad_accum_steps=2, precision="fp16-mixed"))
     s = trainer.scaler
     assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (256.0, 4.0, 0.25, 2)
+
+
+def test_grad_scaler_backs_off_by_its_factor(tmp_path: Path) -> None:
+    # A scale of 2**40 overflows fp16 gradients: the step is skipped and the scale backs off.
+    o = opts(tmp_path, "bo", max_steps=1, scaler_init_scale=2.0**40, scaler_backoff_factor=0.125, schedule="constant")
+    result = train(tiny_task(), TrainConfig(micro_batch_size=8, precision="fp16-mixed"), o)
+    assert result.summary["scaler_skipped_steps"] == 1
+    assert load_checkpoint(tmp_path / "bo" / "checkpoint.pt")["scaler"]["scale"] == 2.0**40 * 0.125
 
 
 def test_make_grad_scaler_takes_torchs_arguments() -> None:
