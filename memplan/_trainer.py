@@ -26,7 +26,8 @@ Data order is a pure function of ``(seed, epoch)``: each epoch is a permutation 
 generator seeded with both, cut into micro-batches, grouped into windows of
 ``micro_batch_size * grad_accum_steps`` samples. A run therefore resumes at any window boundary
 by recomputing the permutation and starting at the saved sample offset — even with another
-micro-batch size, as long as the global batch is the same (what OOM recovery will need). The
+micro-batch size, as long as the global batch is the same (what OOM recovery will need);
+``drop_last`` ends each epoch at its last whole window instead of a short one. The
 permutation is ``DistributedSampler``'s; with ``W`` ranks the last ``n % W`` items are dropped and
 rank ``r`` trains positions ``r::W`` of each window, so a distributed run's step is the same
 samples as a single-process step with the same global batch (and matches it to fp32 rounding).
