@@ -203,7 +203,6 @@ class TrainOptions:
     """fp16 GradScaler: factor the scale shrinks by after a step with inf/NaN gradients."""
     scaler_growth_interval: int = 2000
     """fp16 GradScaler: consecutive steps without inf/NaN gradients before the scale grows."""
-
     label_smoothing: float = 0.0
     """Label smoothing of the training loss. Only with the default loss (cross-entropy of
     ``model(inputs)``); a model file with its own ``loss()`` passes ``label_smoothing`` to
@@ -264,6 +263,7 @@ class TrainOptions:
     """JSON-lines metrics log. ``None``: ``out_dir/metrics.jsonl``."""
     predicted_peak_bytes: int | None = None
     """The estimate's peak, compared with the measured peak in the summary."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
         if self.metrics_path is not None:
