@@ -289,6 +289,27 @@ def test_a_model_files_reduce_on_plateau_is_stepped_with_the_metric(tmp_path: Pa
     assert lrs[0] == pytest.approx(0.1) and lrs[-1] < lrs[0]  # flipped validation: it reduced
 
 
+def test_from_module_takes_a_scheduler_factory(tmp_path: Path) -> None:
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    task = Task.from_module(model, (x, y), train_data=TensorDataset(x, y), settings={"lr": 0.2},
+                            scheduler=lambda opt, total: torch.optim.lr_scheduler.LinearLR(
+                                opt, start_factor=0.5, total_iters=total))
+    _TASKS.append(task)
+    train(task, TrainConfig(micro_batch_size=8), opts(tmp_path, "fm", max_steps=4))
+    assert lrs_of(tmp_path / "fm") == pytest.approx([0.1, 0.125, 0.15, 0.175])
+
+
+def test_a_model_files_reduce_on_plateau_needs_validation_data(tmp_path: Path) -> None:
+    task = scheduler_task(tmp_path, "return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)")
+    task = Task(**{**{f: getattr(task, f) for f in ("name", "build_model", "train_data", "build_scheduler")},
+                   "val_data": None})
+    _TASKS.append(task)
+    with pytest.raises(ConfigError, match="needs validation data") as info:
+        train(task, TrainConfig(micro_batch_size=8), opts(tmp_path, "nov", max_steps=1))
+    assert "\n" not in str(info.value)
+
+
 def test_a_model_files_scheduler_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="not a torch.optim.lr_scheduler.LRScheduler") as info:
         train(scheduler_task(tmp_path, "return 3"), TrainConfig(micro_batch_size=8), opts(tmp_path, "bad", max_steps=1))
