@@ -34,11 +34,23 @@ def forward_context(precision: Precision | str, device_type: str) -> Iterator[No
         yield
 
 
-def make_grad_scaler(precision: Precision | str, device_type: str) -> torch.amp.GradScaler | None:
-    """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none."""
+def make_grad_scaler(precision: Precision | str, device_type: str, *, init_scale: float | None = None,
+                     growth_factor: float | None = None, backoff_factor: float | None = None,
+                     growth_interval: int | None = None) -> torch.amp.GradScaler | None:
+    """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none.
+
+    The keyword arguments are ``torch.amp.GradScaler``'s (``None``: torch's default). They change
+    no memory: the scale and its growth tracker are one-element tensors whatever their values.
+
+    Example:
+        >>> make_grad_scaler("fp16-mixed", "cpu", init_scale=1024.0).get_scale()
+        1024.0
+    """
     if normalize_precision(precision) != "fp16-mixed":
         return None
-    return torch.amp.GradScaler(device_type)
+    given = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+             "growth_interval": growth_interval}
+    return torch.amp.GradScaler(device_type, **{k: v for k, v in given.items() if v is not None})
 
 
 def backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:

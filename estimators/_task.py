@@ -9,6 +9,10 @@ A model file is a plain Python file; memplan imports it and looks up:
                                             ``model(inputs)`` against ``targets``
 ``optimizer(parameters) -> Optimizer``      optional; default AdamW (no decay on biases/norms)
 ``collate(items) -> batch``                 optional; default ``torch.utils.data.default_collate``
+``scheduler(optimizer, total_steps)``       optional; a ``torch.optim.lr_scheduler.LRScheduler``
+                                            the trainer steps once per optimizer step (a
+                                            ``ReduceLROnPlateau``: once per evaluation) instead
+                                            of its built-in warm-up + cosine
 ``checkpoint_blocks(model) -> [Module]``    optional; the blocks checkpoint segments refer to
 ``settings``                                optional dict: global_batch, epochs, max_steps, lr,
                                             weight_decay, warmup_steps, target, …
@@ -95,6 +99,8 @@ class Task:
     train_data: Callable[[], Dataset] | None = None
     val_data: Callable[[], Dataset] | None = None
     collate: Callable[[Sequence[Any]], Batch] = default_collate
+    build_scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
+    """``scheduler(optimizer, total_steps) -> LRScheduler``; ``None``: the trainer's built-in schedule."""
     checkpoint_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
     sample_fn: Callable[[int], Batch] | None = None
     """Makes a real batch of a given size (used when there is no dataset)."""
@@ -118,6 +124,7 @@ class Task:
         train_data: Callable[[], Dataset] | Dataset | None = None,
         val_data: Callable[[], Dataset] | Dataset | None = None,
         collate: Callable[[Sequence[Any]], Batch] | None = None,
+        scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None,
         name: str | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> Task:
@@ -139,6 +146,7 @@ class Task:
             train_data=_as_factory(train_data),  # type: ignore[arg-type]
             val_data=_as_factory(val_data),  # type: ignore[arg-type]
             collate=collate or default_collate,
+            build_scheduler=scheduler,
             sample_fn=sample_fn,
             settings=dict(settings or {}),
             prebuilt=module,
@@ -344,6 +352,8 @@ def load_task(path: str | Path) -> Task:
     loss = need_callable("loss", False, "loss(model, batch) -> Tensor")
     opt = need_callable("optimizer", False, "optimizer(parameters) -> torch.optim.Optimizer")
     collate = need_callable("collate", False, "collate(items) -> batch")
+    scheduler = need_callable("scheduler", False,
+                              "scheduler(optimizer, total_steps) -> torch.optim.lr_scheduler.LRScheduler")
     blocks = need_callable("checkpoint_blocks", False, "checkpoint_blocks(model) -> list[nn.Module]")
     settings = getattr(module, "settings", {}) or {}
     if not isinstance(settings, Mapping):
@@ -368,6 +378,7 @@ def load_task(path: str | Path) -> Task:
         train_data=train,  # type: ignore[arg-type]
         val_data=val,  # type: ignore[arg-type]
         collate=collate or default_collate,  # type: ignore[arg-type]
+        build_scheduler=scheduler,  # type: ignore[arg-type]
         checkpoint_blocks=blocks,  # type: ignore[arg-type]
         settings=dict(settings),
         source_path=str(p.resolve()),

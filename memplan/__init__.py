@@ -19,6 +19,7 @@ from ._plan import Plan, PlanEntry  # noqa: E402
 from ._recovery import keep_global_batch  # noqa: E402
 from ._search import search  # noqa: E402
 from ._trainer import TrainOptions, TrainResult, train  # noqa: E402
+from . import nn  # noqa: E402 - memplan.nn: init_weights and DropPath for model files
 
 __all__ = [
     "ConfigError", "Estimate", "Estimator", "MemplanError", "ModelFileError", "NoFeasiblePlanError",

@@ -62,6 +62,7 @@ def fit(
     val_data: Any = None,
     loss: Callable[[nn.Module, Any], Any] | None = None,
     optimizer: Callable[[Any], Any] | None = None,
+    scheduler: Callable[[Any, int], Any] | None = None,
     global_batch: int | None = None,
     device: str | None = None,
     trials: int = 60,
@@ -84,7 +85,7 @@ def fit(
 
     ``model`` is a model-file path, a ``Task``, or an ``nn.Module`` with ``train_data`` (a
     ``Dataset``; ``sample`` alone can plan but not train), and optionally ``val_data``,
-    ``loss(model, batch)`` and ``optimizer(parameters)``. Training options are ``options``
+    ``loss(model, batch)``, ``optimizer(parameters)`` and ``scheduler(optimizer, total_steps)``. Training options are ``options``
     (a ``TrainOptions``) or its fields as keywords (``epochs=5, ema_decay=0.999``), over the
     model's ``settings``; ``precisions``, ``micro_batch_sizes`` and ``checkpoint_segments``
     pin or restrict the search's axes.
@@ -92,7 +93,8 @@ def fit(
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
     >>> plan, result = fit(module, train_data=ds, val_data=val, vram="1GB", epochs=5)  # doctest: +SKIP
     """
-    task = resolve_task(model, sample, train_data=train_data, val_data=val_data, loss=loss, optimizer=optimizer)
+    task = resolve_task(model, sample, train_data=train_data, val_data=val_data, loss=loss, optimizer=optimizer,
+                        scheduler=scheduler)
     if task.train_data is None:
         raise ConfigError(f"fit({task.name}) trains on data: pass train_data= (a Dataset), or a model file that "
                           "defines train_data()")

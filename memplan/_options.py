@@ -200,17 +200,21 @@ _EXPECTS = {"int": "a whole number", "float": "a number", "bool": "true or false
 
 
 def _checked(spec: OptionSpec, value: Any, origin: str) -> Any:
-    """``value`` for ``spec`` given at ``origin``, checked by ``TrainOptions`` itself; a
-    ``ConfigError`` naming ``origin`` otherwise."""
+    """``value`` for ``spec`` given at ``origin``: a choice among its choices (the ranges and
+    the options that go together are ``TrainOptions``' own checks, see :func:`_build`)."""
     if spec.kind == "choice" and value is not None and value not in spec.choices:
         raise ConfigError(f"{origin} must be one of {', '.join(spec.choices)}, got {value!r}")
-    try:
-        TrainOptions(**{spec.name: value})
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace(f"TrainOptions.{spec.name}", origin)) from None
-    except TypeError as exc:
-        raise ConfigError(f"{origin}: {exc}") from None
     return value
+
+
+def _build(values: dict[str, Any], origins: Mapping[str, str]) -> TrainOptions:
+    """``TrainOptions(**values)``; its error names each option where it was given."""
+    import re
+    try:
+        return TrainOptions(**values)
+    except ConfigError as exc:
+        text = re.sub(r"TrainOptions\.(\w+)", lambda m: origins.get(m.group(1), m.group(1)), str(exc))
+        raise ConfigError(text) from None
 
 
 def _read(spec: OptionSpec, value: Any, origin: str, *, text: bool) -> Any:
@@ -304,17 +308,19 @@ def resolve_options(*, cli: Mapping[str, str] | None = None, config: Mapping[str
                 if i != top and any(k in level for k in group):
                     levels[i] = {k: v for k, v in level.items() if k not in group}
     cli, config, settings = levels
+    origins: dict[str, str] = {}
     for spec in option_specs():
         if cli and spec.name in cli and cli[spec.name] is not None:
-            raw = cli[spec.name]
+            raw, origins[spec.name] = cli[spec.name], spec.flag
             values[spec.name] = raw if isinstance(raw, bool) else _read(spec, raw, spec.flag, text=True)
         elif config and spec.name in config:
-            values[spec.name] = _read(spec, config[spec.name], f"{config_name}: {spec.name}", text=False)
+            origins[spec.name] = f"{config_name}: {spec.name}"
+            values[spec.name] = _read(spec, config[spec.name], origins[spec.name], text=False)
         elif settings and spec.name in settings:
-            values[spec.name] = _read(spec, settings[spec.name], f"settings[{spec.name!r}] in {settings_name}",
-                                      text=False)
+            origins[spec.name] = f"settings[{spec.name!r}] in {settings_name}"
+            values[spec.name] = _read(spec, settings[spec.name], origins[spec.name], text=False)
     values.update({k: v for k, v in fixed.items() if v is not None})
-    return TrainOptions(**values)
+    return _build(values, origins)
 
 
 def config_template() -> str:

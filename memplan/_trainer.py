@@ -16,13 +16,18 @@ predicted is the memory that is used:
 
 What runs beyond the predicted step, and costs memory the estimate does not include: the EMA
 copy of the weights (``ema_decay``), a second copy of the evaluated weights while EMA weights
-are swapped in for evaluation, gradient-norm clipping's temporaries, and ``torch.compile``.
+are swapped in for evaluation, gradient clipping's temporaries (one 0-d tensor per gradient,
+freed before the optimizer step: no change of the measured peak in
+``benchmarks/results/technique_memory.md``), ``torch.compile``, and the DataLoader's workers and
+pinned buffers (host memory). The GradScaler's parameters, the schedules, ``drop_last`` and
+early stopping change no memory.
 
 Data order is a pure function of ``(seed, epoch)``: each epoch is a permutation drawn from a
 generator seeded with both, cut into micro-batches, grouped into windows of
 ``micro_batch_size * grad_accum_steps`` samples. A run therefore resumes at any window boundary
 by recomputing the permutation and starting at the saved sample offset — even with another
-micro-batch size, as long as the global batch is the same (what OOM recovery will need). The
+micro-batch size, as long as the global batch is the same (what OOM recovery will need);
+``drop_last`` ends each epoch at its last whole window instead of a short one. The
 permutation is ``DistributedSampler``'s; with ``W`` ranks the last ``n % W`` items are dropped and
 rank ``r`` trains positions ``r::W`` of each window, so a distributed run's step is the same
 samples as a single-process step with the same global batch (and matches it to fp32 rounding).
@@ -109,7 +114,7 @@ from ._recovery import (
     DistributedOOM, OOMRecord, RecoveryEvent, free_memory, ladder_peaks, pick_rung, restore_optimizer,
     restore_tensors, snapshot_optimizer, snapshot_tensors,
 )
-from ._schedules import SCHEDULES, LRSchedule, ScheduleName, make_schedule
+from ._schedules import SCHEDULE_ARGS, SCHEDULES, ExternalSchedule, LRSchedule, ScheduleName, make_schedule
 
 __all__ = ["TrainOptions", "TrainResult", "Trainer", "train", "epoch_permutation", "epoch_items", "DistributedOOM"]
 
@@ -135,15 +140,69 @@ class TrainOptions:
     lr: float | None = None
     """Peak learning rate for every parameter group. ``None``: ``settings["lr"]`` of the model
     file, else the optimizer's own lr per group."""
-    schedule: ScheduleName = "cosine"
-    """``cosine`` (linear warm-up + cosine), ``onecycle``, ``step``, ``plateau`` or ``constant``;
-    stepped once per optimizer step. See :mod:`memplan._schedules`."""
+    schedule: ScheduleName | None = None
+    """Learning-rate schedule, stepped once per optimizer step.
+    One of cosine, onecycle, step, multistep, exponential, cosine_restarts, plateau, constant
+    (see :mod:`memplan._schedules`). ``None``: the model file's ``scheduler(optimizer,
+    total_steps)`` if it defines one, else ``cosine`` (linear warm-up + cosine). A name given
+    here is used even when the model file defines ``scheduler()``."""
     schedule_args: Mapping[str, Any] | None = None
-    """Shape arguments of the schedule (``min_lr_ratio``, ``gamma``, ``patience``, …)."""
+    """Further shape arguments of the built-in schedule, by name.
+    E.g. ``min_lr_ratio``, ``div_factor``, ``final_div_factor``, ``factor``, ``patience``,
+    ``threshold``; those with an option of their own below are set there instead."""
     warmup_steps: int | None = None
-    """Linear warm-up in optimizer steps. ``None``: ``settings["warmup_steps"]``, else 0."""
+    """Linear warm-up, in optimizer steps (onecycle: its rise).
+    ``None``: ``settings["warmup_steps"]`` of the model file, else 0."""
+    gamma: float | None = None
+    """LR multiplier of the step, multistep and exponential schedules.
+    step/multistep: at each drop (default 0.1); exponential: at every step (required, e.g. 0.999)."""
+    step_size: int | None = None
+    """Step schedule: optimizer steps between lr drops.
+    ``None``: a third of the steps after the warm-up (two drops)."""
+    milestones: tuple[int, ...] | None = None
+    """Multistep schedule: the steps at which the lr is multiplied by gamma.
+    Required there; increasing optimizer-step counts after the warm-up, e.g. ``(3000, 4000)``."""
+    t_0: int | None = None
+    """cosine_restarts schedule: optimizer steps of the first cosine period (required there)."""
+    t_mult: int | None = None
+    """cosine_restarts schedule: factor by which each period is longer than the last (default 1)."""
+    min_lr: float | None = None
+    """Absolute lowest lr of the cosine, cosine_restarts and plateau schedules.
+    cosine_restarts' default is 0 (torch's ``eta_min``); plateau's is torch's ``min_lr``. Replaces
+    the schedule's ``min_lr_ratio`` (cosine 0.1, plateau 1e-3 of the base lr)."""
+    pct_start: float | None = None
+    """Onecycle schedule: fraction of the run spent raising the lr (default 0.3).
+    Sets the rise instead of ``warmup_steps`` (set one of the two)."""
+    anneal_strategy: Literal["cos", "linear"] | None = None
+    """Onecycle schedule: shape of the lr's rise and fall, cos (default) or linear."""
+    cycle_momentum: bool = False
+    """Onecycle schedule: cycle the momentum against the lr.
+    SGD's ``momentum`` or the Adam family's ``betas[0]`` goes from ``max_momentum`` down to
+    ``base_momentum`` at the peak lr and back up, as ``torch.optim.lr_scheduler.OneCycleLR``."""
+    base_momentum: float | None = None
+    """Onecycle with cycle_momentum: the momentum at the peak lr (default 0.85)."""
+    max_momentum: float | None = None
+    """Onecycle with cycle_momentum: the momentum at the start and the end (default 0.95)."""
+    cooldown: int | None = None
+    """Plateau schedule: evaluations after a reduction during which no stall is counted (default 0)."""
     grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this value (``None``: no clipping)."""
+    """Gradient clipping threshold (``None``: no clipping).
+    The global gradient norm's with ``grad_clip_mode="norm"``, each gradient element's absolute
+    value with ``"value"``."""
+    grad_clip_mode: Literal["norm", "value", "off"] = "norm"
+    """How gradients are clipped: norm (clip_grad_norm_), value (clip_grad_value_) or off.
+    Under fp16 the GradScaler unscales the gradients first. Both modes compute the global
+    gradient norm (logged; without a GradScaler an inf/NaN norm skips the step): one 0-d
+    tensor per gradient, not in the estimate, freed before the optimizer step (measured: no
+    change of the peak, ``benchmarks/results/technique_memory.md``)."""
+    scaler_init_scale: float = 65536.0
+    """fp16 GradScaler: the initial loss scale (torch's default, 2**16)."""
+    scaler_growth_factor: float = 2.0
+    """fp16 GradScaler: factor the scale grows by after scaler_growth_interval clean steps."""
+    scaler_backoff_factor: float = 0.5
+    """fp16 GradScaler: factor the scale shrinks by after a step with inf/NaN gradients."""
+    scaler_growth_interval: int = 2000
+    """fp16 GradScaler: consecutive steps without inf/NaN gradients before the scale grows."""
     label_smoothing: float = 0.0
     """Label smoothing of the training loss. Only with the default loss (cross-entropy of
     ``model(inputs)``); a model file with its own ``loss()`` passes ``label_smoothing`` to
@@ -154,6 +213,10 @@ class TrainOptions:
     early_stopping_patience: int | None = None
     """Stop after this many evaluations without improvement of ``monitor``; the best weights
     are restored at the end. ``None``: train to the end (final weights are written)."""
+    early_stopping_min_delta: float = 0.0
+    """Early stopping: the least change of monitor that counts as an improvement.
+    A gain of at most this over the value at the last counted improvement is a stall toward
+    the patience; the best weights still follow every gain."""
     monitor: str = "val_loss"
     """Validation metric for best weights, early stopping and the plateau schedule."""
     monitor_mode: Literal["min", "max"] | None = None
@@ -175,11 +238,23 @@ class TrainOptions:
     compile: bool = False
     """Run the forward pass through ``torch.compile`` (state dicts keep their plain names)."""
     num_workers: int | None = None
-    """DataLoader worker processes. ``None``: 0 for in-memory ``TensorDataset``s (indexing a
-    tensor is cheaper than shipping it between processes), else ``min(2, cpus - 1)`` so that
-    at least one core is left to the training process itself."""
+    """DataLoader worker processes.
+    ``None``: 0 for in-memory ``TensorDataset``s (indexing a tensor is cheaper than shipping it
+    between processes), else ``min(2, cpus - 1)`` so that at least one core is left to the
+    training process itself. Workers cost host memory, not the device's: not in the estimate."""
     prefetch_factor: int = 2
-    """Batches each worker loads ahead (only with workers)."""
+    """Batches each DataLoader worker loads ahead (with workers only; host memory)."""
+    pin_memory: bool | None = None
+    """Load batches into page-locked host memory, for asynchronous copies to the GPU.
+    ``None``: on CUDA only. Host memory, not the device's: not in the estimate."""
+    persistent_workers: bool | None = None
+    """Keep the DataLoader workers alive between epochs (``None``: whenever there are workers)."""
+    drop_last: bool = False
+    """Skip each epoch's last, short optimizer step.
+    The items of the epoch's permutation after its last whole global batch (micro-batch x
+    accumulation x ranks) are not trained that epoch; the next epoch's permutation leaves out
+    others. Validation keeps every item. ``False``: the short last window is trained, weighted
+    by its items. A run resumes only with the setting it was started with."""
     max_nonfinite: int = 3
     """Stop with ``TrainingError`` after this many consecutive windows with a NaN/inf loss."""
     progress: bool = True
@@ -199,11 +274,18 @@ class TrainOptions:
                 raise ConfigError(f"TrainOptions.{name} must be a whole number >= 1 or None, got {value!r}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"TrainOptions.warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"TrainOptions.schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.milestones is not None and not isinstance(self.milestones, (str, bytes)):
+            try:
+                object.__setattr__(self, "milestones", tuple(self.milestones))
+            except TypeError:
+                pass
+        _check_schedule_options(self)
+        _check_technique_options(self)
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"TrainOptions.lr must be > 0, got {self.lr!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ConfigError(f"TrainOptions.grad_clip must be > 0 or None, got {self.grad_clip!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"TrainOptions.label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
@@ -213,14 +295,36 @@ class TrainOptions:
             raise ConfigError(f"TrainOptions.monitor_mode must be 'min', 'max' or None, got {self.monitor_mode!r}")
         if self.max_nonfinite < 1:
             raise ConfigError(f"TrainOptions.max_nonfinite must be >= 1, got {self.max_nonfinite!r}")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ConfigError(f"TrainOptions.num_workers must be >= 0 or None, got {self.num_workers!r}")
         try:
             device = torch.device(self.device)
         except RuntimeError:
             raise ConfigError(f"TrainOptions.device {self.device!r} is not a device; use 'cpu' or 'cuda'") from None
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"TrainOptions.device {self.device!r}: the trainer runs on 'cpu' or 'cuda'")
+
+    @property
+    def clip_mode(self) -> Literal["norm", "value", "off"]:
+        """The clipping that runs: ``off`` also when ``grad_clip`` is ``None``."""
+        return "off" if self.grad_clip is None else self.grad_clip_mode
+
+    def schedule_kwargs(self) -> dict[str, Any]:
+        """The built-in schedule's shape arguments: ``schedule_args`` and the options set for it."""
+        out = dict(self.schedule_args or {})
+        for name in _SCHEDULE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                out[name] = value
+        return out
+
+    def set_schedule_fields(self) -> list[str]:
+        """Names of the schedule options (and ``schedule_args`` keys) that are set."""
+        return [n for n in _SCHEDULE_FIELDS if getattr(self, n) not in (None, False)] + sorted(self.schedule_args or {})
+
+    def scaler_kwargs(self) -> dict[str, Any]:
+        """The fp16 GradScaler's arguments."""
+        return {"init_scale": float(self.scaler_init_scale), "growth_factor": float(self.scaler_growth_factor),
+                "backoff_factor": float(self.scaler_backoff_factor),
+                "growth_interval": int(self.scaler_growth_interval)}
 
     @property
     def mode(self) -> Literal["min", "max"]:
@@ -236,7 +340,99 @@ class TrainOptions:
                 d[k] = str(v)
         if d["schedule_args"] is not None:
             d["schedule_args"] = dict(d["schedule_args"])
+        if d["milestones"] is not None:
+            d["milestones"] = list(d["milestones"])
         return d
+
+
+_SCHEDULE_FIELDS = ("gamma", "step_size", "milestones", "t_0", "t_mult", "min_lr", "pct_start",
+                    "anneal_strategy", "cycle_momentum", "base_momentum", "max_momentum", "cooldown")
+"""TrainOptions fields that are shape arguments of a built-in schedule (same names)."""
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_schedule_options(o: TrainOptions) -> None:
+    """Each schedule option's value, and that the chosen schedule takes it (one-line errors)."""
+    checks: list[tuple[str, bool, str]] = [
+        ("gamma", o.gamma is None or (_number(o.gamma) and o.gamma > 0), "a number > 0"),
+        ("step_size", o.step_size is None or _whole(o.step_size, 1), "a whole number >= 1"),
+        ("milestones", o.milestones is None or (
+            isinstance(o.milestones, tuple) and len(o.milestones) > 0 and all(_whole(m, 1) for m in o.milestones)
+            and list(o.milestones) == sorted(set(o.milestones))), "increasing whole numbers >= 1"),
+        ("t_0", o.t_0 is None or _whole(o.t_0, 1), "a whole number >= 1"),
+        ("t_mult", o.t_mult is None or _whole(o.t_mult, 1), "a whole number >= 1"),
+        ("min_lr", o.min_lr is None or (_number(o.min_lr) and o.min_lr >= 0), "a number >= 0"),
+        ("pct_start", o.pct_start is None or (_number(o.pct_start) and 0 < o.pct_start < 1), "in (0, 1)"),
+        ("anneal_strategy", o.anneal_strategy in (None, "cos", "linear"), "'cos' or 'linear'"),
+        ("cycle_momentum", isinstance(o.cycle_momentum, bool), "true or false"),
+        ("base_momentum", o.base_momentum is None or (_number(o.base_momentum) and 0 <= o.base_momentum < 1), "in [0, 1)"),
+        ("max_momentum", o.max_momentum is None or (_number(o.max_momentum) and 0 <= o.max_momentum < 1), "in [0, 1)"),
+        ("cooldown", o.cooldown is None or _whole(o.cooldown, 0), "a whole number >= 0"),
+    ]
+    for name, ok, what in checks:
+        if not ok:
+            raise ConfigError(f"TrainOptions.{name} must be {what} or None, got {getattr(o, name)!r}")
+    if o.schedule_args is not None and not isinstance(o.schedule_args, Mapping):
+        raise ConfigError(f"TrainOptions.schedule_args must be a mapping or None, got {o.schedule_args!r}")
+    name = o.schedule or "cosine"
+    takes = SCHEDULE_ARGS[name]
+    for field_name in _SCHEDULE_FIELDS:
+        if getattr(o, field_name) not in (None, False):
+            if field_name not in takes:
+                users = ", ".join(repr(k) for k, v in SCHEDULE_ARGS.items() if field_name in v)
+                raise ConfigError(f"TrainOptions.{field_name} applies to schedule {users}, not {name!r}; "
+                                  f"set schedule or leave {field_name} unset")
+            if field_name in (o.schedule_args or {}):
+                raise ConfigError(f"TrainOptions.{field_name} is also in schedule_args; set it once")
+    unknown = sorted(set(o.schedule_args or {}) - set(takes))
+    if unknown:
+        raise ConfigError(f"TrainOptions.schedule_args {unknown} are not arguments of schedule {name!r}; "
+                          f"it takes: {', '.join(takes) or 'none'}")
+    kwargs = o.schedule_kwargs()
+    required = {"exponential": "gamma", "cosine_restarts": "t_0", "multistep": "milestones"}.get(name)
+    if required is not None and kwargs.get(required) is None:
+        raise ConfigError(f"TrainOptions.{required} is required by schedule {name!r}; set it")
+    if name == "exponential" and kwargs["gamma"] > 1:
+        raise ConfigError(f"TrainOptions.gamma must be <= 1 for schedule 'exponential', got {kwargs['gamma']!r}")
+    if (o.base_momentum is not None or o.max_momentum is not None) and not o.cycle_momentum:
+        raise ConfigError("TrainOptions.base_momentum/max_momentum apply with cycle_momentum=True only; set it")
+    if o.base_momentum is not None and o.max_momentum is not None and o.base_momentum > o.max_momentum:
+        raise ConfigError(f"TrainOptions.base_momentum ({o.base_momentum}) must be <= max_momentum ({o.max_momentum})")
+    if name == "onecycle" and o.pct_start is not None and o.warmup_steps:
+        raise ConfigError("TrainOptions.pct_start and warmup_steps both set the onecycle rise; set one of them")
+
+
+def _check_technique_options(o: TrainOptions) -> None:
+    """Early stopping, clipping, GradScaler and DataLoader options (one-line errors)."""
+    checks: list[tuple[str, bool, str]] = [
+        ("early_stopping_min_delta", _number(o.early_stopping_min_delta) and o.early_stopping_min_delta >= 0,
+         "a number >= 0"),
+        ("grad_clip_mode", o.grad_clip_mode in ("norm", "value", "off"), "'norm', 'value' or 'off'"),
+        ("scaler_init_scale", _number(o.scaler_init_scale) and o.scaler_init_scale > 0, "a number > 0"),
+        ("scaler_growth_factor", _number(o.scaler_growth_factor) and o.scaler_growth_factor > 1, "a number > 1"),
+        ("scaler_backoff_factor", _number(o.scaler_backoff_factor) and 0 < o.scaler_backoff_factor < 1, "in (0, 1)"),
+        ("scaler_growth_interval", _whole(o.scaler_growth_interval, 1), "a whole number >= 1"),
+        ("num_workers", o.num_workers is None or _whole(o.num_workers, 0), "a whole number >= 0 or None"),
+        ("prefetch_factor", _whole(o.prefetch_factor, 1), "a whole number >= 1"),
+        ("pin_memory", o.pin_memory is None or isinstance(o.pin_memory, bool), "true, false or None"),
+        ("persistent_workers", o.persistent_workers is None or isinstance(o.persistent_workers, bool),
+         "true, false or None"),
+        ("drop_last", isinstance(o.drop_last, bool), "true or false"),
+    ]
+    for name, ok, what in checks:
+        if not ok:
+            raise ConfigError(f"TrainOptions.{name} must be {what}, got {getattr(o, name)!r}")
+    if o.early_stopping_min_delta and o.early_stopping_patience is None:
+        raise ConfigError("TrainOptions.early_stopping_min_delta needs early_stopping_patience; set it")
+    if o.persistent_workers and o.num_workers == 0:
+        raise ConfigError("TrainOptions.persistent_workers needs worker processes; set num_workers >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -323,10 +519,13 @@ class _EpochBatches:
     """
 
     def __init__(self, n: int, micro_batch_size: int, seed: int, *, global_batch: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, drop_last: bool = False) -> None:
         self.n, self.micro, self.seed = n, micro_batch_size, seed
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.n_epoch = epoch_items(n, world_size)
+        if drop_last:
+            # Whole windows only: the permutation's tail after the last full global batch rests.
+            self.n_epoch -= self.n_epoch % global_batch
         self.slices: list[list[int]] = []
 
     def windows(self, epoch: int, start: int) -> list[_Window]:
@@ -498,6 +697,14 @@ class Trainer:
         ) if on]
         if needs_val and task.val_data is None:
             raise ConfigError(f"{', '.join(needs_val)} needs validation data; define val_data() in {task.name}")
+        if options.schedule is None and task.build_scheduler is not None:
+            # Checked before any data is loaded: the model file's scheduler() owns the lr.
+            given = options.set_schedule_fields() + (["warmup_steps"] if options.warmup_steps else [])
+            if given or task.settings.get("warmup_steps"):
+                what = ", ".join(f"TrainOptions.{n}" for n in given) or 'settings["warmup_steps"]'
+                raise ConfigError(
+                    f"{what} shapes a built-in schedule, but {task.name} defines scheduler(), which owns the lr; "
+                    "drop it (put a warm-up into scheduler()), or name a built-in schedule to use instead")
         if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for but torch sees no CUDA GPU; use device='cpu'")
         self.task, self.config, self.options = task, config, options
@@ -623,7 +830,12 @@ class Trainer:
         if self.n_train < self.world_size:
             raise ConfigError(f"{task.name}: {self.n_train} training items cannot be shared by {self.world_size} ranks")
         self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed,
-                                     global_batch=config.global_batch, rank=self.rank, world_size=self.world_size)
+                                     global_batch=config.global_batch, rank=self.rank, world_size=self.world_size,
+                                     drop_last=opts.drop_last)
+        if self.sampler.n_epoch == 0:
+            raise ConfigError(
+                f"TrainOptions.drop_last leaves no step: {task.name} has {self.n_train} training items, fewer than "
+                f"one global batch of {config.global_batch}; set drop_last=False or use a smaller global batch")
         # The loader's own generator: DataLoader draws its worker base seed from it at every
         # iter(); drawing from the global RNG instead would shift dropout after a resume.
         self._loader_generator = torch.Generator()
@@ -674,13 +886,9 @@ class Trainer:
         candidates = [int(epochs) * self.steps_per_epoch] if epochs else []
         candidates += [int(max_steps)] if max_steps else []
         self.total_steps = min(candidates)
-        warmup = opts.warmup_steps if opts.warmup_steps is not None else int(task.settings.get("warmup_steps", 0))
-        schedule_args = dict(opts.schedule_args or {})
-        if opts.schedule == "plateau":
-            schedule_args.setdefault("mode", opts.mode)
-        self.schedule: LRSchedule = make_schedule(
-            opts.schedule, self.optimizer, warmup_steps=warmup, total_steps=self.total_steps, **schedule_args
-        )
+        self.schedule: LRSchedule = self._make_schedule()
+        if self.schedule_needs_val and self.val_loader is None:
+            raise ConfigError(f"the model file's ReduceLROnPlateau scheduler needs validation data; define val_data() in {task.name}")
 
         # Progress, saved in checkpoints.
         self.step = 0
@@ -694,6 +902,7 @@ class Trainer:
         self.best_step: int | None = None
         self.best_metrics: dict[str, float] = {}
         self.bad_evaluations = 0
+        self.stop_reference: float | None = None  # early stopping's last significant value
         self.stopped_early = False
         self.last_metrics: dict[str, float] = {}
         self.last_eval_step: int | None = None
@@ -705,14 +914,38 @@ class Trainer:
         self._throughput: list[tuple[int, float]] = []
         self._nvml: Any = None
 
+    def _make_schedule(self) -> LRSchedule:
+        """The model file's ``scheduler()`` when it has one and no schedule is named, else the
+        named built-in one (``cosine`` by default) with its warm-up."""
+        opts, task = self.options, self.task
+        self.schedule_needs_val = False
+        if opts.schedule is None and task.build_scheduler is not None:
+            try:
+                made = task.build_scheduler(self.optimizer, self.total_steps)
+            except Exception as exc:  # noqa: BLE001 - the user's code, reported with the fix
+                raise ModelFileError(f"{task.name}: scheduler(optimizer, total_steps) raised "
+                                     f"{type(exc).__name__}: {exc}; fix scheduler()") from None
+            schedule = ExternalSchedule(made, self.optimizer, name=task.name)
+            self.schedule_needs_val = schedule.on_metric
+            return schedule
+        warmup = opts.warmup_steps if opts.warmup_steps is not None else int(task.settings.get("warmup_steps", 0))
+        name = opts.schedule or "cosine"
+        if name == "onecycle" and opts.pct_start is not None and opts.warmup_steps is None:
+            warmup = 0  # pct_start sets the rise; the model file's default warm-up gives way to it
+        schedule_args = opts.schedule_kwargs()
+        if name == "plateau":
+            schedule_args.setdefault("mode", opts.mode)
+        return make_schedule(name, self.optimizer, warmup_steps=warmup, total_steps=self.total_steps, **schedule_args)
+
     def _make_scaler(self, precision: str) -> Any:
-        scaler = _precision.make_grad_scaler(precision, self.device.type)
+        kwargs = self.options.scaler_kwargs()
+        scaler = _precision.make_grad_scaler(precision, self.device.type, **kwargs)
         if scaler is not None and self.config.strategy == "fsdp":
             # Every rank sees only its gradient shards: the sharded scaler all-reduces whether
             # any rank found inf/NaN, so that all of them skip (or take) the same step.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            scaler = ShardedGradScaler(self.device.type)
+            scaler = ShardedGradScaler(self.device.type, **kwargs)
         return scaler
 
     def _training_loss(self) -> Callable[[nn.Module, Batch], torch.Tensor]:
@@ -733,14 +966,20 @@ class Trainer:
         return min(2, max(0, (os.cpu_count() or 1) - 1))
 
     def _make_loader(self, dataset: Dataset, **kwargs: Any) -> DataLoader:
+        opts = self.options
         workers = self._num_workers(dataset)
+        persistent = workers > 0 if opts.persistent_workers is None else opts.persistent_workers
+        if persistent and workers == 0:
+            raise ConfigError("TrainOptions.persistent_workers needs worker processes, and this dataset gets "
+                              "none by default; set num_workers >= 1")
         return DataLoader(
             dataset,
             collate_fn=self.task.collate,
             num_workers=workers,
-            pin_memory=self.device.type == "cuda",  # page-locked host memory: async copies to the GPU
-            persistent_workers=workers > 0,  # no worker start-up cost at every epoch
-            prefetch_factor=self.options.prefetch_factor if workers > 0 else None,
+            # page-locked host memory: asynchronous copies to the GPU
+            pin_memory=self.device.type == "cuda" if opts.pin_memory is None else opts.pin_memory,
+            persistent_workers=persistent,  # no worker start-up cost at every epoch
+            prefetch_factor=opts.prefetch_factor if workers > 0 else None,
             **{"generator": self._loader_generator, **kwargs},
         )
 
@@ -850,10 +1089,11 @@ class Trainer:
             # step's memory is the same every time (the estimator traces exactly this). Not under
             # FSDP: a rank's shards alone cannot make a window-start checkpoint anyway.
             self._optimizer_undo = snapshot_optimizer(self.model, self.optimizer, self.scaler)
-        if self.options.grad_clip is not None:
+        clip = self.options.clip_mode
+        if clip != "off":
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip)
+            norm = _clip_gradients(self.model, clip, float(self.options.grad_clip))  # type: ignore[arg-type]
             full = getattr(norm, "full_tensor", None)  # FSDP2: the norm over all shards, replicated
             grad_norm = float(full() if full is not None else norm)
             if self.scaler is None and not math.isfinite(grad_norm):
@@ -1002,7 +1242,7 @@ class Trainer:
         if new.precision != old.precision:
             # fp16 needs a GradScaler (a fresh one calibrates its scale in a few steps); bf16 and
             # fp32 need none. Keep an existing one when both use it.
-            self.scaler = _precision.make_grad_scaler(new.precision, self.device.type)
+            self.scaler = self._make_scaler(new.precision)
         self.config = new
         self.sampler.micro = new.micro_batch_size
         if self.val_loader is not None and new.micro_batch_size != old.micro_batch_size:
@@ -1178,16 +1418,25 @@ class Trainer:
             self.best_metric is None
             or (value < self.best_metric if self.options.mode == "min" else value > self.best_metric)
         )
+        # Early stopping's own yardstick: only a gain of more than min_delta over the value of
+        # the last such gain resets the patience (the best weights follow every gain).
+        delta = self.options.early_stopping_min_delta
+        significant = math.isfinite(value) and (
+            self.stop_reference is None
+            or (value < self.stop_reference - delta if self.options.mode == "min"
+                else value > self.stop_reference + delta)
+        )
+        if significant:
+            self.stop_reference, self.bad_evaluations = value, 0
+        else:
+            self.bad_evaluations += 1
         if improved:
             self.best_metric, self.best_step, self.best_metrics = value, self.step, dict(metrics)
-            self.bad_evaluations = 0
             # Best weights go to disk, not to RAM: no second copy of the model stays alive.
             best = self._eval_state_dict()
             if self.is_main:
                 save_checkpoint(best, self.best_path)
             del best
-        else:
-            self.bad_evaluations += 1
         self.schedule.observe(value)
         patience = self.options.early_stopping_patience
         if patience is not None and self.bad_evaluations >= patience:
@@ -1272,6 +1521,7 @@ class Trainer:
                 "metric": self.best_metric, "step": self.best_step, "metrics": self.best_metrics,
                 "path": str(self.best_path) if self.best_step is not None else None,
                 "bad_evaluations": self.bad_evaluations, "stopped_early": self.stopped_early,
+                "stop_reference": self.stop_reference,
             },
             "counters": {
                 "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
@@ -1337,6 +1587,10 @@ class Trainer:
                 f"{ckpt['n_train']} training items; resuming needs the same seed and data "
                 f"(got seed {self.options.seed}, {self.n_train} items)"
             )
+        if bool(ckpt["options"].get("drop_last", False)) != self.options.drop_last:
+            raise ConfigError(
+                f"{self.checkpoint_path} was written with drop_last={ckpt['options'].get('drop_last', False)}; "
+                "an epoch's length depends on it: resume with the same drop_last, or use another out_dir")
         if ckpt["task"]["source_hash"] != self.task.source_hash:
             log.warning("%s changed since the checkpoint was written", self.task.name)
         recovery = ckpt.get("recovery") or {}
@@ -1376,6 +1630,7 @@ class Trainer:
         self.best_metric, self.best_step = best["metric"], best["step"]
         self.best_metrics, self.bad_evaluations = dict(best["metrics"]), best["bad_evaluations"]
         self.stopped_early = best["stopped_early"]
+        self.stop_reference = best.get("stop_reference", best["metric"])
         self.samples_seen, self.skipped_steps = counters["samples_seen"], counters["skipped_steps"]
         self.scaler_skipped_steps = counters["scaler_skipped_steps"]
         self.consecutive_nonfinite = counters["consecutive_nonfinite"]
@@ -1625,6 +1880,16 @@ def _ladder_configs(ladder: Sequence[Any] | None, config: TrainConfig) -> list[T
         if c.global_batch == config.global_batch and c != config and c not in out:
             out.append(c)
     return out
+
+
+def _clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: float) -> torch.Tensor:
+    """Clip in place; returns the global gradient norm before clipping (logged either way)."""
+    if mode == "norm":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), threshold)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    torch.nn.utils.clip_grad_value_(model.parameters(), threshold)
+    return norm
 
 
 def _logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -340,3 +340,21 @@ def test_sigterm_on_one_rank_stops_all_at_one_step_and_resumes(reference: dict[s
     assert resumed is not None and resumed.steps == 6 and not resumed.interrupted
     assert losses(out) == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
     assert_same_weights(load_checkpoint(out / "model.pt"), reference["weights"])
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_clips_by_value_as_one_process_does(tmp_path: Path) -> None:
+    # Clipping by value works on each rank's gradient shards; the logged norm is the global one.
+    path = model_file(tmp_path)
+    common = dict(max_steps=3, grad_clip=0.01, grad_clip_mode="value", ema_decay=None)
+    single = tmp_path / "single"
+    train(load_task(path), TrainConfig(micro_batch_size=8), opts(single, **common))
+    out = tmp_path / "fsdp"
+    result = launch_training(path, TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=2),
+                             opts(out, **common), spec=FAST)
+    assert result is not None and result.steps == 3
+    assert losses(out) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
+    norms = [r["grad_norm"] for r in records(out, "step")]
+    assert norms == pytest.approx([r["grad_norm"] for r in records(single, "step")], rel=1e-5)
+    assert min(norms) > 0.01  # the threshold did clip
+    assert_same_weights(load_checkpoint(out / "model.pt"), load_checkpoint(single / "model.pt"))

@@ -38,7 +38,19 @@ def val_data():
 '''
 
 # Values some options need to be valid (anything else takes a generic non-default value).
-_SPECIAL: dict[str, Any] = {"monitor": "val_accuracy", "metrics_path": "/tmp/elsewhere.jsonl"}
+_SPECIAL: dict[str, Any] = {"monitor": "val_accuracy", "metrics_path": "/tmp/elsewhere.jsonl",
+                            "scaler_growth_factor": 3.0, "scaler_init_scale": 1024.0}
+# Options that only go with another: given with it (the test gives both the same way).
+_WITH: dict[str, dict[str, Any]] = {
+    "schedule_args": {"schedule": "plateau"}, "gamma": {"schedule": "step"}, "step_size": {"schedule": "step"},
+    "milestones": {"schedule": "multistep"}, "t_0": {"schedule": "cosine_restarts"},
+    "t_mult": {"schedule": "cosine_restarts", "t_0": 3}, "min_lr": {"schedule": "cosine"},
+    "pct_start": {"schedule": "onecycle"}, "anneal_strategy": {"schedule": "onecycle"},
+    "cycle_momentum": {"schedule": "onecycle"}, "cooldown": {"schedule": "plateau"},
+    "base_momentum": {"schedule": "onecycle", "cycle_momentum": True},
+    "max_momentum": {"schedule": "onecycle", "cycle_momentum": True},
+    "early_stopping_min_delta": {"early_stopping_patience": 3},
+}
 
 
 def _value(spec) -> Any:
@@ -54,7 +66,7 @@ def _value(spec) -> Any:
     if spec.kind == "float":
         return 0.5 if spec.default != 0.5 else 0.25
     if spec.kind == "mapping":
-        return {"gamma": 0.5}
+        return {"factor": 0.5} if _WITH.get(spec.name, {}).get("schedule") == "plateau" else {"gamma": 0.5}
     if spec.kind == "ints":
         return (2, 4)
     return "x"
@@ -101,21 +113,27 @@ SPECS = option_specs()
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_every_option_reaches_the_trainer_three_ways(spec, tmp_path):
     value = _value(spec)
+    given = {**_WITH.get(spec.name, {}), spec.name: value}
+    by_name = {s.name: s for s in SPECS}
     task = load_task(_model_file(tmp_path))
     expected = tuple(value) if isinstance(value, tuple) else (Path(value) if spec.kind == "path" else value)
+
+    def flags(name: str, v: Any) -> list[str]:
+        s = by_name[name]
+        if s.kind == "bool" and not s.optional:
+            return [s.flag] if v else [f"--no-{s.flag[2:]}"]
+        return [s.flag, _text(v)]
     # 1. the command line
-    flag = [spec.flag] if spec.kind == "bool" and not spec.optional and value else (
-        [f"--no-{spec.flag[2:]}"] if spec.kind == "bool" and not spec.optional else [spec.flag, _text(value)])
-    got = _cli_options(["fit", str(tmp_path / "m.py"), *flag], task)
+    got = _cli_options(["fit", str(tmp_path / "m.py"), *[a for k, v in given.items() for a in flags(k, v)]], task)
     assert getattr(got, spec.name) == expected
     # 2. a config file
     config = tmp_path / "run.toml"
-    config.write_text(f"{spec.name} = {_toml(value)}\n")
+    config.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in given.items()))
     got = _cli_options(["fit", str(tmp_path / "m.py"), "--config", str(config)], task)
     assert getattr(got, spec.name) == expected
     # 3. the model file's settings
-    settings_task = load_task(_model_file(tmp_path, {spec.name: list(value) if isinstance(value, tuple) else value}))
-    got = _cli_options(["train", str(tmp_path / "m.py"), "--plan", "unused.json"], settings_task)
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}
+    got = _cli_options(["train", str(tmp_path / "m.py"), "--plan", "unused.json"], load_task(_model_file(tmp_path, settings)))
     assert getattr(got, spec.name) == expected
 
 

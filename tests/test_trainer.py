@@ -348,8 +348,11 @@ def test_the_nan_message_suggests_what_fits_the_precision(tmp_path: Path, monkey
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_schedules_step_once_per_optimizer_step(tmp_path: Path, name: str) -> None:
     task = model_file_task(tmp_path, n_train=80)
+    required = {"multistep": {"milestones": (3,)}, "exponential": {"gamma": 0.9},
+                "cosine_restarts": {"t_0": 4}}.get(name, {})
     trainer = Trainer(task, TrainConfig(micro_batch_size=2, grad_accum_steps=4),
-                      opts(tmp_path, name, max_steps=10, lr=0.1, warmup_steps=3, schedule=name, eval_every=2))
+                      opts(tmp_path, name, max_steps=10, lr=0.1, warmup_steps=3, schedule=name, eval_every=2,
+                           **required))
     trainer.run()
     assert trainer.schedule.last_epoch == 10
     lrs = [r["lr"] for r in steps_of(tmp_path / name)]
