@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import sys
@@ -120,8 +121,10 @@ def _kind(annotation: Any) -> tuple[Kind, bool, tuple[str, ...]]:
     raise TypeError(f"TrainOptions field of type {annotation!r} has no option reader")
 
 
-def option_specs() -> list[OptionSpec]:
-    """The options, in ``TrainOptions``' field order."""
+@functools.lru_cache(maxsize=1)
+def option_specs() -> tuple[OptionSpec, ...]:
+    """The options, in ``TrainOptions``' field order (read once: parsing the trainer's source
+    for the docstrings costs a fifth of a second)."""
     hints = typing.get_type_hints(TrainOptions)
     docs = _docstrings(TrainOptions)
     specs = []
@@ -131,11 +134,7 @@ def option_specs() -> list[OptionSpec]:
         kind, optional, choices = _kind(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         specs.append(OptionSpec(f.name, kind, optional, default, docs.get(f.name, ""), choices))
-    return specs
-
-
-def _spec(name: str) -> OptionSpec:
-    return next(s for s in option_specs() if s.name == name)
+    return tuple(specs)
 
 
 # -- reading values ---------------------------------------------------------------------------
