@@ -16,6 +16,14 @@ grads" adds the gradient bytes to the prediction of the rows without accumulatio
 accumulation they are alive at the peak either way). HF checkpointing of 2022 is reentrant,
 memplan's non-reentrant (same saved inputs per layer).
 
+"torch 1.10" adds, on top, the input of every softmax the step keeps: torch up to 1.10 saved
+``_softmax``'s input as well as its output for backward (``_softmax_backward_data(grad,
+result, dim, self)``; torch 1.11 changed the argument to the input's dtype), the installed torch
+saves the output only. The bytes come from a trace of the row (the forward's ``aten._softmax``
+inputs; one layer's with checkpointing, where one layer is recomputed at a time), added only
+when the peak falls in a forward or backward phase. Both corrections are arithmetic on the
+prediction, not traces, and are shown apart from it.
+
 The "CPU policy" column is the same prediction with the CUDA kernel semantics switched off
 (CPU autocast's op lists, CPU dropout): what memplan predicted before they were modelled.
 
@@ -41,6 +49,7 @@ import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
 from estimators import _precision  # noqa: E402
+from estimators._trace import trace_step  # noqa: E402
 
 MIB = 2**20
 CONTEXT_MIB = 1343
@@ -78,6 +87,17 @@ def _cpu_policy() -> Iterator[None]:
         yield
 
 
+def _softmax_inputs(est: Estimator, config: TrainConfig, peak_phase: str) -> int:
+    """Bytes of the softmax inputs torch <= 1.10 would keep at the peak (see the docstring)."""
+    if "forward" not in peak_phase and "backward" not in peak_phase:
+        return 0
+    trace = trace_step(est.task, config, target="cuda", capability=est.spec.compute_capability)
+    inputs = [op.bytes_moved - op.new_bytes for op in trace.ops if op.name == "aten._softmax" and op.phase == 1]
+    if not inputs:
+        return 0
+    return max(inputs) if config.checkpoint_segments else sum(inputs)
+
+
 def _pct(pred: float, meas: float) -> str:
     return f"{100.0 * (pred - meas) / meas:+.1f}%"
 
@@ -89,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     estimators = {name: Estimator(load_task(str(path)), gpu=GPU) for name, path in MODEL_FILES.items()}
     lines = []
-    errors_mem, errors_mem_kept, errors_time = [], [], []
+    errors_mem, errors_mem_kept, errors_old, errors_time = [], [], [], []
     for b, acc, prec, ckpt, opt, used, sps in ROWS:
         label = f"b{b} x{acc} {prec} {'ckpt' if ckpt else 'no ckpt'} {opt}"
         if opt not in estimators:
-            lines.append(f"| {label} | {used} | – | – | – | – | – | {sps} | – | – | not traced: {WHY_NOT[opt]} |")
+            lines.append(f"| {label} | {used} | – | – | – | – | – | – | – | {sps} | – | – | not traced: {WHY_NOT[opt]} |")
             continue
         est = estimators[opt]
         config = TrainConfig(micro_batch_size=b, grad_accum_steps=acc, precision=prec,
@@ -104,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         pred_used = e.peak_reserved_bytes / MIB + CONTEXT_MIB
         grads = e.trainable_params * 4 / MIB
         kept = pred_used + (grads - e.breakdown.get("gradients", 0) / MIB if acc == 1 else 0.0)
+        old_torch = kept + _softmax_inputs(est, config, e.peak_phase) / MIB
         cpu_col = "–"
         if not args.no_cpu_policy:
             with _cpu_policy():
@@ -111,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             cpu_col = f"{old.peak_reserved_bytes / MIB + CONTEXT_MIB:.0f} ({_pct(old.peak_reserved_bytes / MIB + CONTEXT_MIB, used)})"
         errors_mem.append(abs(pred_used - used) / used)
         errors_mem_kept.append(abs(kept - used) / used)
+        errors_old.append(abs(old_torch - used) / used)
         errors_time.append(abs(e.samples_per_s - sps) / sps)
         lines.append(
             f"| {label} | {used} | {pred_used:.0f} | {_pct(pred_used, used)} | {kept:.0f} | {_pct(kept, used)} "
+            f"| {old_torch:.0f} | {_pct(old_torch, used)} "
             f"| {cpu_col} | {sps} | {e.samples_per_s:.2f} | {_pct(e.samples_per_s, sps)} "
             f"| peak in {e.peak_phase}; {seconds:.1f} s |")
         print(lines[-1], file=sys.stderr, flush=True)
@@ -129,15 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         "prediction with CPU autocast's op policy and CPU dropout (the behaviour before CUDA semantics "
         "were modelled). No constant was fitted to these rows.",
         "",
-        "| row | NVML used MiB | predicted MiB | error | + kept grads MiB | error | CPU policy MiB (error) "
-        "| samples/s | predicted | error | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| row | NVML used MiB | predicted MiB | error | + kept grads MiB | error | torch 1.10 MiB | error "
+        "| CPU policy MiB (error) | samples/s | predicted | error | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     summary = [
         "",
         f"Mean |error| memory: {100 * sum(errors_mem) / len(errors_mem):.1f}% as predicted, "
-        f"{100 * sum(errors_mem_kept) / len(errors_mem_kept):.1f}% with kept gradients; worst "
-        f"{100 * max(errors_mem):.1f}% / {100 * max(errors_mem_kept):.1f}%. "
+        f"{100 * sum(errors_mem_kept) / len(errors_mem_kept):.1f}% with kept gradients, "
+        f"{100 * sum(errors_old) / len(errors_old):.1f}% with torch 1.10's saved softmax inputs too; worst "
+        f"{100 * max(errors_mem):.1f}% / {100 * max(errors_mem_kept):.1f}% / {100 * max(errors_old):.1f}%. "
         f"Time: mean |error| {100 * sum(errors_time) / len(errors_time):.1f}%, worst {100 * max(errors_time):.1f}%.",
     ]
     Path(args.out).write_text("\n".join(header + lines + summary) + "\n")

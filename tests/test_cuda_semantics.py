@@ -238,3 +238,57 @@ def test_dropout_keeps_a_bool_mask_on_cuda(fake: FakeTensorMode) -> None:
         cpu_saved = _saved_dtypes(lambda: F.dropout(x, 0.1))
     assert [d for d, _ in cuda_saved] == [torch.bool]
     assert [d for d, _ in cpu_saved] == [FP32]  # the CPU path's noise tensor
+
+
+# -- through the trace -------------------------------------------------------------------
+
+class _AttnLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.ln = nn.LayerNorm(32)
+        self.qkv = nn.Linear(32, 96)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        q, k, v = self.qkv(self.ln(self.emb(idx))).split(32, dim=-1)
+        q, k, v = (x.view(b, t, 4, 8).transpose(1, 2) for x in (q, k, v))
+        scores = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+        y = self.drop(scores) @ v
+        return self.head(y.transpose(1, 2).reshape(b, t, 32))
+
+
+def _task() -> Any:
+    from estimators import Task
+
+    def sample(n: int) -> Any:
+        return torch.randint(0, 64, (n, 16)), torch.randint(0, 64, (n, 16))
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    return Task.from_module(_AttnLM(), sample, loss=loss)
+
+
+def _op_bytes(trace: Any, name: str) -> list[int]:
+    return [op.new_bytes for op in trace.ops if op.name == name and op.phase == 1]
+
+
+@pytest.mark.parametrize("precision,low", [("bf16-mixed", 2), ("fp16-mixed", 2)])
+def test_cuda_target_trace_runs_softmax_in_fp32_and_cpu_target_does_not(precision: str, low: int) -> None:
+    from estimators import TrainConfig
+    from estimators._trace import trace_step
+
+    task, config = _task(), TrainConfig(micro_batch_size=2, precision=precision)
+    cuda = trace_step(task, config, target="cuda", capability=(8, 0))
+    cpu = trace_step(task, config, target="cpu")
+    probs = 2 * 4 * 16 * 16  # B x H x L x L
+    assert _op_bytes(cuda, "aten._softmax") == [probs * 4]
+    assert _op_bytes(cpu, "aten._softmax") == [probs * low]
+    # Dropout: a bool mask (native_dropout) on CUDA, a noise tensor on the CPU.
+    assert "aten.native_dropout" in {op.name for op in cuda.ops}
+    assert "aten.native_dropout" not in {op.name for op in cpu.ops}
+    assert any("CUDA autocast op policy" in n for n in cuda.notes) and not cpu.notes
