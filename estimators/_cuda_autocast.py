@@ -23,8 +23,9 @@ weights again and frees them when the recomputation ends, as on a GPU.
 
 Known limits: CUDA-only kernels registered outside ``autocast_mode.cpp`` (cuDNN RNNs'
 ``_cudnn_rnn`` cast-and-reflatten) are not modelled; CPU-only ops have no CUDA counterpart.
-The override is process-wide while active: traces for a CPU and a CUDA target must not run at
-the same time in one process (the estimator's lock serialises them).
+The override is process-wide while active: CUDA-target traces in threads of one process take
+turns, and a CPU-target trace must not run beside one (each estimator's lock serialises its
+own traces; one search uses one target).
 """
 
 from __future__ import annotations
@@ -259,8 +260,8 @@ def cuda_autocast_policy() -> Iterator[None]:
     recompute under autocast inside backward. Autocast itself is still entered by the caller
     (``torch.autocast("cpu", dtype)``), which sets the dtype and the cache's lifetime.
     """
-    if not _ACTIVE.acquire(blocking=False):
-        raise RuntimeError("cuda_autocast_policy is already active in this process")
+    # The override is process-wide: two traces in threads take turns.
+    _ACTIVE.acquire()
     cache = _Cache()
     lib = torch.library.Library("aten", "IMPL")
     original_clear = torch.clear_autocast_cache

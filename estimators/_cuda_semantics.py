@@ -20,6 +20,7 @@ after; the CPU target never sees them.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections import Counter
 from typing import Any, Iterator
@@ -30,6 +31,8 @@ from . import _sdpa
 from ._cuda_autocast import cuda_autocast_policy
 
 __all__ = ["cuda_semantics", "CudaRun", "DEFAULT_CAPABILITY", "cuda_notes"]
+
+_TURN = threading.Lock()  # the overrides are process-wide: one CUDA-semantics step at a time
 
 DEFAULT_CAPABILITY = (8, 0)
 """Compute capability assumed when the target card's is unknown."""
@@ -78,6 +81,8 @@ def cuda_semantics(capability: tuple[int, int] | None, *, autocast: bool,
     run = CudaRun(cap, autocast)
     lib = torch.library.Library("aten", "IMPL")
     with contextlib.ExitStack() as stack:
+        _TURN.acquire()
+        stack.callback(_TURN.release)
         stack.callback(lib._destroy)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
