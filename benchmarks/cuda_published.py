@@ -17,9 +17,10 @@ accumulation they are alive at the peak either way). HF checkpointing of 2022 is
 memplan's non-reentrant (same saved inputs per layer).
 
 "torch 1.10" adds, on top, the input of every softmax the step keeps: torch up to 1.10 saved
-``_softmax``'s input as well as its output for backward (``_softmax_backward_data(grad,
-result, dim, self)``; torch 1.11 changed the argument to the input's dtype), the installed torch
-saves the output only. The bytes come from a trace of the row (the forward's ``aten._softmax``
+``_softmax``'s input as well as its output for backward (pytorch/pytorch#49600, Dec 2020:
+"softmax (and logsoftmax) save `input` for backward computation", though the kernels use only
+the output; ``_softmax_backward_data`` took the input's dtype instead from torch 1.11 on), the
+installed torch saves the output only. The bytes come from a trace of the row (the forward's ``aten._softmax``
 inputs; one layer's with checkpointing, where one layer is recomputed at a time), added only
 when the peak falls in a forward or backward phase. Both corrections are arithmetic on the
 prediction, not traces, and are shown apart from it.
@@ -148,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Predicted used = predicted `max_memory_reserved` + {CONTEXT_MIB} MiB context (measured on the same "
         "page). \"+ kept grads\" adds the gradients the 2022 Trainer's `zero_grad()` keeps allocated "
-        "(rows without accumulation only; an analytic correction, not a trace). \"CPU policy\": the "
+        "(rows without accumulation only; an analytic correction, not a trace). \"torch 1.10\" adds on top "
+        "the softmax inputs torch <= 1.10 also saved for backward (pytorch/pytorch#49600), in bytes taken "
+        "from a trace of the row, when the peak is in a forward or backward phase (arithmetic, not a trace). "
+        "Both corrections model the 2022 setup's software, not the card. \"CPU policy\": the "
         "prediction with CPU autocast's op policy and CPU dropout (the behaviour before CUDA semantics "
         "were modelled). No constant was fitted to these rows.",
         "",
