@@ -95,8 +95,9 @@ def cuda_semantics(capability: tuple[int, int] | None, *, autocast: bool,
         yield run
 
 
-def cuda_notes(run: CudaRun | None) -> list[str]:
-    """The assumptions a CUDA-semantics trace made, for ``Estimate.notes``."""
+def cuda_notes(run: CudaRun | None, op_names: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The assumptions a CUDA-semantics trace made, for ``Estimate.notes`` (``op_names``: the
+    aten ops the trace ran)."""
     if run is None:
         return []
     modelled = "CUDA autocast op policy and weight cache, " if run.autocast else ""
@@ -106,4 +107,7 @@ def cuda_notes(run: CudaRun | None) -> list[str]:
         notes.append(f"attention backend on sm{run.capability[0]}{run.capability[1]}: {used} "
                      f"(assumes cuDNN {_sdpa.ASSUMED_CUDNN // 10000}.{_sdpa.ASSUMED_CUDNN // 100 % 100}, "
                      "flash/mem-efficient built in, no sdpa_kernel selection)")
+    if any("convolution" in name for name in op_names):
+        notes.append("cuDNN convolution workspaces not modelled: cuDNN may pick algorithms whose "
+                     "workspace takes free memory up to its limit; keep headroom")
     return notes

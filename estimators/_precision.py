@@ -53,13 +53,14 @@ def trace_semantics(precision: Precision | str, *, cuda: bool, capability: tuple
         yield run
 
 
-def semantics_notes(run: Any) -> list[str]:
-    """The assumptions a :func:`trace_semantics` trace made, for the estimate's notes."""
+def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
+    """The assumptions a :func:`trace_semantics` trace made (``op_names``: the aten ops it ran),
+    for the estimate's notes."""
     if run is None:
         return []
     from ._cuda_semantics import cuda_notes
 
-    return cuda_notes(run)
+    return cuda_notes(run, op_names or set())
 
 
 def make_grad_scaler(precision: Precision | str, device_type: str) -> torch.amp.GradScaler | None:

@@ -511,7 +511,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                     rec.event_phase[:kept], phase_labels, rec.ops, rec.op_positions, rec.host,
                     _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None)
     method = "measured-cpu" if real else "traced"
-    notes = tuple(_precision.semantics_notes(semantics))
+    notes = tuple(_precision.semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
     if not derive:
         return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None

@@ -292,3 +292,15 @@ def test_cuda_target_trace_runs_softmax_in_fp32_and_cpu_target_does_not(precisio
     assert "aten.native_dropout" in {op.name for op in cuda.ops}
     assert "aten.native_dropout" not in {op.name for op in cpu.ops}
     assert any("CUDA autocast op policy" in n for n in cuda.notes) and not cpu.notes
+
+
+def test_a_conv_net_is_told_that_cudnn_workspaces_are_not_modelled() -> None:
+    from estimators import Task, TrainConfig
+    from estimators._trace import trace_step
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    task = Task.from_module(net, lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 2, (n,))))
+    cuda = trace_step(task, TrainConfig(micro_batch_size=2), target="cuda", capability=(8, 0))
+    assert any("cuDNN convolution workspaces" in n for n in cuda.notes)
+    mlp = trace_step(_task(), TrainConfig(micro_batch_size=2), target="cuda", capability=(8, 0))
+    assert not any("cuDNN convolution" in n for n in mlp.notes)
