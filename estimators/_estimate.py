@@ -308,7 +308,7 @@ class Estimator:
         while self._queue and self._worker is not None and len(self._pending) < 2:
             key, config, a = self._queue.pop(0)
             try:
-                self._pending[key] = self._worker.submit(config, a, self.device)
+                self._pending[key] = self._worker.submit(config, a, self.device, self._capability())
             except Exception:  # noqa: BLE001 - the worker is gone: this process traces alone
                 self._drop_worker()
 
@@ -371,6 +371,10 @@ class Estimator:
         while self._pending and self._worker is not None and self._worker.ready():
             if not self._receive():
                 return
+
+    def _capability(self) -> tuple[int, int] | None:
+        """The target card's compute capability (CUDA kernels chosen per card), None on cpu."""
+        return self.spec.compute_capability if self.device == "cuda" and self.spec is not None else None
 
     def rates(self) -> DeviceRates:
         """The target's compute and memory rates (spec table for GPUs, measured for the CPU)."""
@@ -489,14 +493,15 @@ class Estimator:
         if not self._data_dependent:
             try:
                 start = time.perf_counter()
-                trace = trace_step(self.task, config, batch_size=batch, target=self.device)
+                trace = trace_step(self.task, config, batch_size=batch, target=self.device,
+                                   capability=self._capability())
                 self._last_fake_trace_s = time.perf_counter() - start
                 self._fake_traced = True
                 return trace
             except DataDependentShapes:
                 self._data_dependent = True
         return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
-                          target=self.device)
+                          target=self.device, capability=self._capability())
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
         """Per-op CPU workspace bytes for ``trace``: measured directly when the trace was a
@@ -526,7 +531,7 @@ class Estimator:
             return self._workspace_fits[key]
 
     def _prepare(self, trace: Trace) -> _Prepared:
-        notes: list[str] = []
+        notes: list[str] = list(trace.notes)
         inserts: list[tuple[int, int]] = []  # (event position, bytes)
         if self.device == "cpu":
             ws, note = self._workspaces(trace)
@@ -687,7 +692,7 @@ class Estimator:
         try:
             if self._worker is None or not self._worker.alive():
                 self._worker = TraceWorker(self.task)
-            self._worker.submit(config, remote, self.device)
+            self._worker.submit(config, remote, self.device, self._capability())
         except Exception:  # noqa: BLE001 - no worker: trace alone
             self._drop_worker()
             return

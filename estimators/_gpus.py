@@ -19,6 +19,12 @@ Conventions of the table (read these before using a number from it):
   compute capability 9.x/10.x/12.x, ``4096·1024·2 + 16·1024·8`` = 8,519,680 B otherwise.
 * ``context_bytes`` is not measured per card: 400 MiB for every row, the upper end of the
   300–400 MB that a CUDA context takes with lazy loading (FACTS.md). Calibrate on a GPU.
+  Published figures for comparison (``shared/data/published_gpu_runs.md``): 1343 MiB on a
+  V100 with torch ~1.10 / CUDA 11.2 (no lazy loading; ``torch.ones(1, 1).to("cuda")`` alone,
+  Hugging Face's perf_train_gpu_one page); 648.5 MB of NVML memory beyond
+  ``max_memory_reserved`` on an A10G with torch 2.3–2.5 / CUDA 12 (optimum-benchmark), which
+  also holds the cuBLAS/cuDNN handles' memory: a modern stack's context plus handles may exceed
+  the table's figure by up to ~220 MiB.
 
 Known limitations: MIG slices are seen as the whole GPU; PCIe variants of the V100 are not in the
 table (detection treats them as unknown cards); clocks are boost clocks.

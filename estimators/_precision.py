@@ -8,13 +8,14 @@ weights and no scaler; ``fp16-mixed`` does the same in float16 and scales the lo
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ._config import Precision, normalize_precision
 
-__all__ = ["autocast_dtype", "forward_context", "make_grad_scaler", "backward", "optimizer_step"]
+__all__ = ["autocast_dtype", "forward_context", "make_grad_scaler", "backward", "optimizer_step",
+           "trace_semantics", "semantics_notes"]
 
 
 def autocast_dtype(precision: Precision | str) -> torch.dtype | None:
@@ -32,6 +33,34 @@ def forward_context(precision: Precision | str, device_type: str) -> Iterator[No
         return
     with torch.autocast(device_type=device_type, dtype=dtype):
         yield
+
+
+@contextlib.contextmanager
+def trace_semantics(precision: Precision | str, *, cuda: bool, capability: tuple[int, int] | None = None,
+                    fake: bool = True) -> Iterator[Any]:
+    """Around a whole traced step (forward, backward, optimizer) for a CUDA target: the trace's
+    CPU tensors take CUDA's kernel semantics, so that :func:`forward_context`'s CPU autocast
+    casts as ``torch.autocast("cuda", dtype)`` does (see ``estimators._cuda_semantics``). The
+    trainer on a real GPU runs real CUDA autocast and needs none of this. Yields what the
+    trace met (for :func:`semantics_notes`), or None for a CPU target.
+    """
+    if not cuda:
+        yield None
+        return
+    from ._cuda_semantics import cuda_semantics
+
+    with cuda_semantics(capability, autocast=autocast_dtype(precision) is not None, fused_attention=fake) as run:
+        yield run
+
+
+def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
+    """The assumptions a :func:`trace_semantics` trace made (``op_names``: the aten ops it ran),
+    for the estimate's notes."""
+    if run is None:
+        return []
+    from ._cuda_semantics import cuda_notes
+
+    return cuda_notes(run, op_names or set())
 
 
 def make_grad_scaler(precision: Precision | str, device_type: str, *, init_scale: float | None = None,

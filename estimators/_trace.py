@@ -115,6 +115,8 @@ class Trace:
     host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Allocations that live in host memory even when training on a GPU (the CPU RNG state
     ``torch.utils.checkpoint`` saves per checkpointed block)."""
+    notes: tuple[str, ...] = ()
+    """Assumptions the trace made (CUDA kernels modelled on CPU tensors), for the estimate."""
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
     one device with accumulation >= 2; see ``estimators._steady.drop_second_micro``)."""
@@ -415,6 +417,7 @@ def trace_step(
     synthesize: bool = True,
     derive_real: bool = False,
     target: str = "cpu",
+    capability: tuple[int, int] | None = None,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -432,8 +435,11 @@ def trace_step(
     values: it runs both steps unless ``derive_real=True`` says the model's shapes do not
     (its fake trace succeeded), which halves a profiled run too.
 
-    ``target`` is the device type the estimate is for: on ``"cuda"`` the optimizer runs its
-    multi-tensor (foreach) implementation, as PyTorch's optimizers default to there.
+    ``target`` is the device type the estimate is for: on ``"cuda"`` the step runs CUDA's
+    kernel semantics on CPU tensors (``_precision.trace_semantics``: CUDA's autocast policy,
+    attention backend of the card of compute ``capability``, bool dropout masks) and the
+    optimizer its multi-tensor (foreach) implementation, as PyTorch's optimizers default to
+    there.
     """
     b = batch_size or config.micro_batch_size
     if steps < 1:
@@ -445,11 +451,13 @@ def trace_step(
              else contextlib.nullcontext())
     with ranks:
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
-                           synthesize=synthesize and (derive_real or not real), foreach=target == "cuda")
+                           synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
+                           cuda=target == "cuda", capability=capability)
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
-                synthesize: bool, foreach: bool) -> Trace:
+                synthesize: bool, foreach: bool, cuda: bool = False,
+                capability: tuple[int, int] | None = None) -> Trace:
     # One device on fake tensors: trace one step and derive the later ones (see _steady).
     derive = synthesize and config.strategy == "single" and steps == 2
     traced_steps = 1 if derive else steps
@@ -466,6 +474,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     phase_labels: list[str] = ["setup"]
     hooks = _RecordingHooks(rec, phase_labels)
     prof = None
+    semantics = None
     try:
         # Wrapped before recording starts: the full model a rank holds before sharding is
         # not part of the step (training builds it sharded, or frees it before the first step).
@@ -485,6 +494,8 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 stack.enter_context(_recorded_rng_states(rec))
                 if config.strategy == "fsdp":
                     stack.enter_context(_distributed.fsdp_storage_events(rec.resized_up, rec.resized_down))
+                semantics = stack.enter_context(
+                    _precision.trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
                 run_steps(task, config, model, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
                           foreach=foreach)
     except MemplanError:
@@ -516,16 +527,18 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                     rec.event_phase[:kept], phase_labels, rec.ops, rec.op_positions, rec.host,
                     _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None)
     method = "measured-cpu" if real else "traced"
+    notes = tuple(_precision.semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
     if not derive:
-        return _as_trace(raw, config, b, method)
+        return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
-    trace = _as_trace(repeat_first_step(raw), config, b, method)
+    trace = _as_trace(repeat_first_step(raw), config, b, method, notes)
     if single is not None:
-        trace.single_micro = _as_trace(repeat_first_step(single), config.replace(grad_accum_steps=1), b, method)
+        trace.single_micro = _as_trace(repeat_first_step(single), config.replace(grad_accum_steps=1), b, method,
+                                       notes)
     return trace
 
 
-def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str) -> Trace:
+def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, notes: tuple[str, ...] = ()) -> Trace:
     event_alloc, event_phase = _canonical_free_order(raw.event_alloc, raw.event_sign, raw.event_phase)
     return Trace(
         batch_size=b,
@@ -541,6 +554,7 @@ def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str) -> Trace
         op_positions=raw.op_positions,
         op_workspace=raw.op_workspace,
         host_allocs=np.asarray(sorted(set(raw.host)), dtype=np.int64),
+        notes=notes,
     )
 
 

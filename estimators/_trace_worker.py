@@ -59,11 +59,12 @@ class TraceWorker:
         self._next_ticket = 0
         self._queued: list[int] = []
 
-    def submit(self, config: TrainConfig, batch_size: int, target: str) -> int:
+    def submit(self, config: TrainConfig, batch_size: int, target: str,
+               capability: tuple[int, int] | None = None) -> int:
         """Queue a trace; returns its ticket (results come back in ticket order)."""
         ticket = self._next_ticket
         try:
-            self._conn.send((ticket, config, batch_size, target))
+            self._conn.send((ticket, config, batch_size, target, capability))
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise WorkerDied(str(exc)) from exc
         self._next_ticket += 1
@@ -133,9 +134,9 @@ def _serve(task: Task, conn: Any, directory: str) -> None:
             return
         if request is None:
             return
-        ticket, config, batch_size, target = request
+        ticket, config, batch_size, target, capability = request
         try:
-            trace = trace_step(task, config, batch_size=batch_size, target=target)
+            trace = trace_step(task, config, batch_size=batch_size, target=target, capability=capability)
             path = os.path.join(directory, f"{ticket}.pkl")
             with open(path + ".tmp", "wb") as f:
                 pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)

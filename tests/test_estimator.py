@@ -295,8 +295,8 @@ def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)
     original_submit = est_mod.TraceWorker.submit
 
-    def submit_then_die(self, config, batch_size, target):
-        original_submit(self, config, batch_size, target)
+    def submit_then_die(self, config, batch_size, target, *rest):
+        original_submit(self, config, batch_size, target, *rest)
         self._proc.kill()
 
     monkeypatch.setattr(est_mod.TraceWorker, "submit", submit_then_die)
@@ -384,9 +384,9 @@ def _count_prefetch(monkeypatch) -> tuple[list[tuple[int, int, int]], list[tuple
             local.append((min(config.grad_accum_steps, 2), config.checkpoint_segments, kwargs.get("batch_size")))
         return original_trace(task, config, **kwargs)
 
-    def submitted(self, config, batch_size, target):
+    def submitted(self, config, batch_size, target, *rest):
         remote.append((min(config.grad_accum_steps, 2), config.checkpoint_segments, batch_size))
-        return original_submit(self, config, batch_size, target)
+        return original_submit(self, config, batch_size, target, *rest)
 
     monkeypatch.setattr(est_mod, "trace_step", traced)
     monkeypatch.setattr(TraceWorker, "submit", submitted)
