@@ -21,6 +21,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import weakref
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from ._config import TrainConfig
 from ._task import Task
 from ._trace import Trace, trace_step
 
-__all__ = ["TraceWorker", "worker_available"]
+__all__ = ["TraceWorker", "worker_available", "close_all"]
 
 
 def worker_available() -> bool:
@@ -37,8 +38,19 @@ def worker_available() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
+_LIVE: "weakref.WeakSet[TraceWorker]" = weakref.WeakSet()
+
+
 class WorkerDied(RuntimeError):
     """The worker process exited; the caller traces alone from now on."""
+
+
+def close_all() -> None:
+    """Stop every trace worker this process started and still holds (an estimator that is
+    never closed keeps its worker until it is collected; tests that count processes, and a
+    process about to fork others, want none)."""
+    for worker in list(_LIVE):
+        worker.close()
 
 
 class TraceWorker:
@@ -58,6 +70,7 @@ class TraceWorker:
         child.close()
         self._next_ticket = 0
         self._queued: list[int] = []
+        _LIVE.add(self)
 
     def submit(self, config: TrainConfig, batch_size: int, target: str,
                capability: tuple[int, int] | None = None) -> int:
@@ -123,6 +136,7 @@ class TraceWorker:
         self._conn.close()
         self._queued.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
+        _LIVE.discard(self)
 
 
 def _serve(task: Task, conn: Any, directory: str) -> None:

@@ -40,3 +40,12 @@ def _cache_dir(_session_cache, monkeypatch):
     rates) is one of pytest's temporary folders, shared by the session so that the CPU rates
     are measured once; tests that need a study of their own set a folder of their own."""
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(_session_cache))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_trace_workers_left():
+    """A module's estimators may leave their trace-worker processes to the garbage collector;
+    the next module (the probe tests count child processes) starts without them."""
+    yield
+    from estimators._trace_worker import close_all
+    close_all()
