@@ -11,12 +11,15 @@ weight-gradient GEMM's scratch steps every second batch size). ``workspace_at`` 
 the measured values up to 4, the slope of 4 to 8 above, and the step of an odd size kept.
 
 A trace gets its workspaces from the fit of its own precision and checkpointing by aligning
-op names within each phase kind (``aligned_workspaces``). A checkpointed configuration runs no
-kernel the same configuration without checkpointing lacks: its forward runs the same kernels
-(without saving), its backward runs them again before the gradient kernels. So the fit
-without checkpointing serves it too (``borrowed_workspaces``), matching each op on what it
-computes — name, FLOPs, bytes moved, bytes created at the trace's batch size —, which takes
-two real runs per precision instead of two per checkpoint setting.
+op names within each phase kind (``aligned_workspaces``). A checkpointed configuration should
+run no kernel the same configuration without checkpointing lacks: its forward runs the same
+kernels (without saving), its backward runs them again before the gradient kernels. So the
+fit without checkpointing serves it too (``borrowed_workspaces``), matching each op on what
+it computes — name, FLOPs, bytes moved, bytes created at the trace's batch size —, which
+takes the runs of one precision instead of those of each checkpoint setting. One small real
+run of a checkpointed configuration confirms it (``borrow_holds``): a block whose
+recomputation takes other kernels (another backend inside the backward) has the same ops,
+sizes and FLOPs in a fake trace, and only a real run shows its other scratch.
 """
 
 from __future__ import annotations
@@ -76,13 +79,14 @@ def workspace_at(measured: np.ndarray, batch: int) -> np.ndarray:
     already follows). Exact for affine workspaces, those padded to even sizes and those that
     switch algorithm by 4; a block spanning more batch sizes is followed at its corners."""
     w = np.asarray(measured, dtype=np.float64).reshape(-1, len(WORKSPACE_ANCHORS))
+    a2, a3, a4, a8 = WORKSPACE_ANCHORS
     w2, w3, w4, w8 = (w[:, k] for k in range(4))
-    if batch <= 3:  # below 2, kernels differ anyway (the estimator runs such batches for real)
-        value = w2 + (w3 - w2) * min(max(batch - 2, 0), 1)
-    elif batch <= 4:
-        value = w3 + (w4 - w3) * (batch - 3)
+    if batch <= a3:  # below 2, kernels differ anyway (the estimator runs such batches for real)
+        value = w2 + (w3 - w2) * min(max(batch - a2, 0), 1)
+    elif batch <= a4:
+        value = w3 + (w4 - w3) * (batch - a3)
     else:
-        value = w4 + (w8 - w4) * (batch - 4) / 4
+        value = w4 + (w8 - w4) * (batch - a4) / (a8 - a4)
         if batch % 2:
             value = value + np.maximum(w3 - (w2 + w4) / 2, 0)
     return np.maximum(np.rint(value), 0).astype(np.int64)
