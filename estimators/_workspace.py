@@ -7,8 +7,8 @@ anchor, and the bytes they created, their FLOPs and bytes moved (affine in the b
 A workspace is not affine in the batch size: kernels switch algorithms as it grows (oneDNN's
 bf16 convolutions by batch 4) and pad a dimension that grows with it to their block (a
 native-bf16 GEMM blocks its reduction dimension by 32, so with 16 rows per sample the
-weight-gradient GEMM's scratch steps every second batch size). ``workspace_at`` models both:
-the measured values up to 4, the slope of 4 to 8 above, and the step of an odd size kept.
+weight-gradient GEMM's scratch steps every second batch size). ``workspace_at`` takes the
+measured values up to 4, the line of 2 to 4 above, and keeps the step of an odd size.
 
 A trace gets its workspaces from the fit of its own precision and checkpointing by aligning
 op names within each phase kind (``aligned_workspaces``). A checkpointed configuration should
@@ -38,9 +38,9 @@ __all__ = ["WORKSPACE_ANCHORS", "Source", "WorkspaceFit", "aligned_sources", "al
            "borrow_holds", "borrowed_sources", "borrowed_workspaces", "fit_key", "measure_fit",
            "reference_config", "workspace_at", "workspaces_at"]
 
-WORKSPACE_ANCHORS = (2, 3, 4, 8)
+WORKSPACE_ANCHORS = (2, 3, 4)
 """Batch sizes of the real, profiled CPU runs that measure kernel workspaces (see
-``workspace_at``); tiny runs, so four cost little more than two."""
+``workspace_at``)."""
 
 Source = tuple[str, int]
 """Where an op's workspace comes from: a phase kind of a fit and the op's row in it."""
@@ -69,24 +69,24 @@ class WorkspaceFit:
 
 
 def workspace_at(measured: np.ndarray, batch: int) -> np.ndarray:
-    """Per op: workspace bytes at ``batch`` from its values at the anchors 2, 3, 4, 8
-    (columns of ``measured``).
+    """Per op: workspace bytes at ``batch`` from its values at the anchors 2, 3, 4 (columns
+    of ``measured``).
 
-    Up to 4, the measured values and straight lines between them. Above, the line through 4
-    and 8, where kernels have switched to their large-batch algorithm; an op whose scratch at
-    3 lies above the line from 2 to 4 pads the batch dimension to an even size, and odd sizes
-    keep that step (a step lower there would be a kernel switch, which the line from 4 on
-    already follows). Exact for affine workspaces, those padded to even sizes and those that
-    switch algorithm by 4; a block spanning more batch sizes is followed at its corners."""
+    Up to 4, the measured values and straight lines between them; above, the line through 2
+    and 4. An op whose scratch at 3 lies above that line pads the batch dimension to an even
+    size, and odd sizes keep that step. (A slope taken from 4 and 8 instead, past oneDNN's
+    switches at 4, made ViT and GPT estimates 3-6% high at batch 16-24: kernels split large
+    GEMMs in blocks, so their scratch grows slower than 4 to 8 shows; see
+    ``benchmarks/results/workspace_isa.md``.)"""
     w = np.asarray(measured, dtype=np.float64).reshape(-1, len(WORKSPACE_ANCHORS))
-    a2, a3, a4, a8 = WORKSPACE_ANCHORS
-    w2, w3, w4, w8 = (w[:, k] for k in range(4))
+    a2, a3, a4 = WORKSPACE_ANCHORS
+    w2, w3, w4 = (w[:, k] for k in range(3))
     if batch <= a3:  # below 2, kernels differ anyway (the estimator runs such batches for real)
         value = w2 + (w3 - w2) * min(max(batch - a2, 0), 1)
     elif batch <= a4:
         value = w3 + (w4 - w3) * (batch - a3)
     else:
-        value = w4 + (w8 - w4) * (batch - a4) / (a8 - a4)
+        value = w4 + (w4 - w2) * (batch - a4) / (a4 - a2)
         if batch % 2:
             value = value + np.maximum(w3 - (w2 + w4) / 2, 0)
     return np.maximum(np.rint(value), 0).astype(np.int64)
@@ -129,9 +129,8 @@ def ops_by_phase(trace: Trace) -> dict[str, list[int]]:
 
 
 def measure_fit(task: Task, config: TrainConfig) -> WorkspaceFit | None:
-    """Real, profiled runs of ``config``'s kernels at ``WORKSPACE_ANCHORS``; None when those
-    of 2, 3 and 4 fail. The run of 8 is skipped where every workspace is affine in 2, 3 and
-    4, and the line from 2 to 4 stands in for it when it fails."""
+    """Real, profiled runs of ``config``'s kernels at ``WORKSPACE_ANCHORS``; None when they
+    fail."""
     if config.strategy == "single":
         # One optimizer step of one micro-batch: every forward and backward kernel runs;
         # optimizer steps allocate no scratch worth measuring (elementwise kernels).
@@ -150,31 +149,19 @@ def measure_fit(task: Task, config: TrainConfig) -> WorkspaceFit | None:
                                  trace.ops[i].bytes_moved] for i in idx], dtype=np.float64).reshape(-1, 4))
                 for phase, idx in ops_by_phase(trace).items()}
 
-    *small, large = WORKSPACE_ANCHORS
     try:
-        per_run = [run(a) for a in small]
+        per_run = [run(a) for a in WORKSPACE_ANCHORS]
     except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
         return None
     kinds, measured = {}, {}
-    a0, a1 = small[0], small[-1]
+    a0, a1 = WORKSPACE_ANCHORS[0], WORKSPACE_ANCHORS[-1]
     for kind, (names, w0) in per_run[0].items():
         others = [r.get(kind) for r in per_run[1:]]
         if any(other is None or other[0] != names for other in others):
             continue  # other kernels at another size: this phase kind gets no workspace
         slope = (others[-1][1] - w0) / (a1 - a0)
         kinds[kind] = (names, w0 - slope * a0, slope)
-        w = np.stack([w0[:, _WS]] + [other[1][:, _WS] for other in others], axis=1)
-        line = w[:, -1] + (w[:, -1] - w[:, 0]) / (a1 - a0) * (large - a1)  # until the run of 8 says otherwise
-        measured[kind] = np.concatenate([w, line[:, None]], axis=1)
-    if any(not np.allclose(w[:, 1], (w[:, 0] + w[:, 2]) / 2, rtol=0, atol=1) for w in measured.values()):
-        try:
-            at_large = run(large)
-        except Exception:  # noqa: BLE001 - the line from 2 to 4 stands in for it
-            at_large = {}
-        for kind, w in measured.items():
-            got = at_large.get(kind)
-            if got is not None and got[0] == kinds[kind][0]:
-                w[:, -1] = got[1][:, _WS]
+        measured[kind] = np.stack([w0[:, _WS]] + [other[1][:, _WS] for other in others], axis=1)
     return WorkspaceFit(kinds, measured)
 
 
