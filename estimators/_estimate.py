@@ -37,14 +37,17 @@ from ._timing import (
 )
 from ._trace import Category, DataDependentShapes, Trace, trace_step
 from ._trace_worker import TraceWorker, WorkerDied, worker_available
-from ._workspace import (WORKSPACE_ANCHORS, WorkspaceFit, aligned_workspaces, borrowed_workspaces, fit_key,
-                         measure_fit, reference_config)
+from ._workspace import (WORKSPACE_ANCHORS, Source, WorkspaceFit, aligned_sources, borrow_holds, borrowed_sources,
+                         fit_key, measure_fit, reference_config, workspaces_at)
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
 
 Device = Literal["cpu", "cuda"]
 
 _DIVERGED = "fake trace diverged from the real kernels"
+
+_WorkspaceModel = tuple[WorkspaceFit, list[Source | None]]
+"""A fit and, per op of a trace, its place there (see ``_workspace.workspaces_at``)."""
 
 ANCHORS = (2, 3, 4)
 """Batch sizes traced for batch scaling on CPU targets (where kernels pick other algorithms,
@@ -176,6 +179,9 @@ class _Prepared:
     costs: OpCosts | None = None
     host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Allocations in host memory on any device (see ``Trace.host_allocs``)."""
+    workspaces: tuple[np.ndarray, WorkspaceFit, list[Source | None]] | None = None
+    """The kernel workspaces' allocations and where the fit has each: batch scaling sizes
+    them from the fit, since a workspace is not affine in the batch size."""
 
     def op_costs(self) -> OpCosts:
         if self.costs is None:
@@ -198,6 +204,7 @@ class Estimator:
         self._lock = threading.RLock()
         self._facts: _ModelFacts | None = None
         self._workspace_fits: dict[tuple[Any, ...], WorkspaceFit | None] = {}
+        self._borrow_checks: dict[tuple[Any, ...], bool] = {}  # a borrowed fit's key -> does it hold?
         self._affine: bool | None = None  # are allocation sizes affine in the batch size?
         self._anchors = CUDA_ANCHORS if self.device == "cuda" else ANCHORS
         self._worker: TraceWorker | None = None
@@ -265,6 +272,7 @@ class Estimator:
         local: list[tuple[str, TrainConfig, int]] = []
         planned: set[tuple[Any, ...]] = set()
         fits: set[tuple[Any, ...]] = set()
+        borrowers: dict[tuple[Any, ...], TrainConfig] = {}
         first_scaled = self._affine is None
         for config in configs:
             key, b = self._shape_key(config), config.micro_batch_size
@@ -289,6 +297,12 @@ class Estimator:
             if self.device == "cpu" and fit_key(fitted) not in fits:
                 fits.add(fit_key(fitted))
                 local.append(("workspace", fitted, 0))
+            if self.device == "cpu" and fitted is not config:
+                # The small run that checks the borrowed fit: on the most blocks recomputed.
+                checked = borrowers.get(fit_key(fitted))
+                if checked is None or config.checkpoint_segments > checked.checkpoint_segments:
+                    borrowers[fit_key(fitted)] = config
+        local.extend(("borrow", config, 0) for config in borrowers.values())
         if len(fake) < 2:
             return
         try:
@@ -298,8 +312,8 @@ class Estimator:
             self._drop_worker()
             return
         self._queue = [(key, config, a) for key, (config, a) in fake.items()]
-        # Workspace fits first: the small real runs halve once the worker's first trace is back.
-        self._ahead = sorted(local, key=lambda item: item[0] != "workspace")
+        # Workspace fits and their checks first: the small real runs halve once the worker's first trace is back.
+        self._ahead = sorted(local, key=lambda item: item[0] == "trace")
         self._top_up()
 
     def _top_up(self) -> None:
@@ -329,6 +343,8 @@ class Estimator:
                     try:
                         if kind == "workspace":
                             self._workspace_fit(config)
+                        elif kind == "borrow":
+                            self._borrow_holds(config)
                         else:
                             self._trace(config, b)
                     except Exception:  # noqa: BLE001 - raised again, properly, when it is asked
@@ -503,25 +519,29 @@ class Estimator:
         return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
                           target=self.device, capability=self._capability())
 
-    def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
+    def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None, _WorkspaceModel | None]:
         """Per-op CPU workspace bytes for ``trace``: measured directly when the trace was a
-        real, profiled run, else carried over from a fit of real runs (see ``_workspace``).
+        real, profiled run, else carried over from a fit of real runs (see ``_workspace``),
+        with the fit and each op's place in it.
         A checkpointed configuration borrows the fit of the same one without checkpointing
-        when its ops are all found there, and is measured on its own otherwise."""
+        when its ops are all found there and one real run of it confirms the borrowed figures
+        (``borrow_holds``), and is measured on its own otherwise."""
         if trace.op_workspace is not None:
-            return trace.op_workspace, None
+            return trace.op_workspace, None, None
         reference = reference_config(trace.config)
         if reference is not None and fit_key(trace.config) not in self._workspace_fits:
             borrowed = self._workspace_fit(reference)
-            ws = borrowed_workspaces(trace, borrowed) if borrowed is not None else None
-            if ws is not None:
-                return ws, None
+            sources = borrowed_sources(trace, borrowed) if borrowed is not None else None
+            if sources is not None and self._borrow_holds(trace.config):
+                return workspaces_at(borrowed, sources, trace.batch_size), None, (borrowed, sources)
         fit = self._workspace_fit(trace.config)
         if fit is None:
-            return None, "kernel workspaces not measured (small-batch CPU runs failed)"
-        ws = aligned_workspaces(trace, fit)
-        # Fake tensors took other kernels than the CPU runs: this model is measured for real.
-        return (ws, None) if ws is not None else (None, _DIVERGED)
+            return None, "kernel workspaces not measured (small-batch CPU runs failed)", None
+        sources = aligned_sources(trace, fit)
+        if sources is None:
+            # Fake tensors took other kernels than the CPU runs: this model is measured for real.
+            return None, _DIVERGED, None
+        return workspaces_at(fit, sources, trace.batch_size), None, (fit, sources)
 
     def _workspace_fit(self, config: TrainConfig) -> WorkspaceFit | None:
         key = fit_key(config)
@@ -530,11 +550,27 @@ class Estimator:
                 self._workspace_fits[key] = measure_fit(self.task, config)
             return self._workspace_fits[key]
 
+    def _borrow_holds(self, config: TrainConfig) -> bool:
+        """Does the fit of ``reference_config(config)`` hold for ``config``? Checked by one
+        small real run (``borrow_holds``) per fit borrowed: a recomputed block runs its own
+        forward again, on the same kernels or not whichever blocks are checkpointed. A fit
+        that fails its check is not borrowed again: each setting measures its own."""
+        reference = reference_config(config)
+        if reference is None:
+            return False
+        key = fit_key(reference)
+        with self._lock:
+            if key not in self._borrow_checks:
+                fit = self._workspace_fit(reference)
+                self._borrow_checks[key] = fit is not None and borrow_holds(self.task, config, fit)
+            return self._borrow_checks[key]
+
     def _prepare(self, trace: Trace) -> _Prepared:
         notes: list[str] = list(trace.notes)
-        inserts: list[tuple[int, int]] = []  # (event position, bytes)
+        inserts: list[tuple[int, int, int]] = []  # (event position, bytes, op or -1)
+        model = None
         if self.device == "cpu":
-            ws, note = self._workspaces(trace)
+            ws, note, model = self._workspaces(trace)
             if note == _DIVERGED:
                 # Fake tensors took other kernels than the CPU really runs (oneDNN RNNs, for
                 # one): their memory differs, so measure this model with real CPU runs.
@@ -546,7 +582,7 @@ class Estimator:
             if ws is not None:
                 # Every op gets its (possibly zero) workspace event, so traces at different
                 # batch sizes keep the same events and stay comparable for batch scaling.
-                inserts.extend(zip(trace.op_positions, ws))
+                inserts.extend((pos, w, op) for op, (pos, w) in enumerate(zip(trace.op_positions, ws)))
         alloc_bytes = list(trace.alloc_bytes.tolist())
         alloc_cat = list(trace.alloc_category.tolist())
         ev_alloc = trace.event_alloc.tolist()
@@ -556,16 +592,19 @@ class Estimator:
             # cuBLAS allocates its workspace through the caching allocator on the first GEMM
             # and keeps it: one allocation alive from the first forward on.
             first_forward = next((i for i, p in enumerate(ev_phase) if p > 0), len(ev_phase))
-            inserts.append((first_forward, -self.spec.cublas_workspace_bytes))
+            inserts.append((first_forward, -self.spec.cublas_workspace_bytes, -1))
+        op_alloc = [-1] * len(trace.ops)  # per op: its workspace allocation
         if inserts:
             out_alloc, out_sign, out_phase = [], [], []
             inserts.sort(key=lambda x: x[0])
             j = 0
             for i in range(len(ev_alloc) + 1):
                 while j < len(inserts) and inserts[j][0] == i:
-                    pos, nbytes = inserts[j]
+                    pos, nbytes, op = inserts[j]
                     phase = ev_phase[min(max(i - 1, 0), len(ev_phase) - 1)] if ev_phase else 0
                     index = len(alloc_bytes)
+                    if op >= 0:
+                        op_alloc[op] = index
                     alloc_bytes.append(abs(nbytes))
                     alloc_cat.append(int(Category.WORKSPACE))
                     out_alloc.append(index); out_sign.append(1); out_phase.append(phase)
@@ -586,6 +625,7 @@ class Estimator:
             notes=tuple(notes),
             ops=trace.ops,
             host_allocs=trace.host_allocs,
+            workspaces=None if model is None else (np.asarray(op_alloc, dtype=np.int64), *model),
         )
 
     def _events(self, config: TrainConfig, *, exact: bool = False) -> tuple[_Prepared, str]:
@@ -601,11 +641,14 @@ class Estimator:
             sizes = np.rint(scaling.intercept + scaling.slope * b).astype(np.int64)
             sizes = np.maximum(sizes, 0)
             base = self._prepared[(self._shape_key(config), scaling.base_batch)]
+            if base.workspaces is not None:
+                allocs, fit, sources = base.workspaces
+                sizes[allocs[allocs >= 0]] = np.asarray(workspaces_at(fit, sources, b), dtype=np.int64)[allocs >= 0]
             scaled = _Prepared(
                 alloc_bytes=sizes, alloc_category=base.alloc_category, event_alloc=base.event_alloc,
                 event_sign=base.event_sign, event_phase=base.event_phase,
                 phase_labels=base.phase_labels, method="scaled", notes=base.notes,
-                ops=base.ops, host_allocs=base.host_allocs,
+                ops=base.ops, host_allocs=base.host_allocs, workspaces=base.workspaces,
             )
             if scaling.costs is not None:
                 c, f0, f1, m0, m1 = scaling.costs
