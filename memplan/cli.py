@@ -54,11 +54,19 @@ class EstimateCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         _add_config_args(p)
+        p.add_argument("--plot", default=None, help="draw the predicted memory timeline to this image (memplan[plots])")
+        p.add_argument("--snapshot", default=None, help="write the timeline as a torch.cuda.memory._snapshot() pickle")
+        p.add_argument("--vram", default=None, help="budget line drawn on --plot (default: the --gpu card's memory)")
 
     def run(self, args: argparse.Namespace) -> int:
         config = _config_from(args)
         task = load_task(args.model)
-        est = Estimator(task, device=args.device, gpu=args.gpu).estimate(config, exact=True)
+        estimator = Estimator(task, device=args.device, gpu=args.gpu)
+        est = estimator.estimate(config, exact=True)
+        if args.plot or args.snapshot:
+            from ._timeline_out import write_timeline_outputs
+            for line in write_timeline_outputs(estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram):
+                print(line, file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(est.to_dict(), indent=2))
         else:
@@ -167,13 +175,17 @@ class PlanCommand:
         _add_layout_args(p)
         p.add_argument("--out", default=None, help="write the plan as JSON to this file")
         p.add_argument("--json", action="store_true", help="print the plan as JSON")
+        p.add_argument("--plot", default=None, help="draw every trial's peak against samples/s to this image (memplan[plots])")
 
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import layout_kwargs
         from ._search import search
         gpus, nodes = _layout(args)
+        if args.plot:
+            from ._plots import require_matplotlib
+            require_matplotlib()  # fail before the search, not after it
         plan = search(args.model, progress=not args.json and sys.stderr.isatty(), **_search_kwargs(args),
-                      **layout_kwargs(None, gpus=gpus, nodes=nodes))
+                      **layout_kwargs(None, gpus=gpus, nodes=nodes), plot=args.plot)
         if args.out:
             plan.save(args.out)
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
