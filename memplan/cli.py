@@ -195,7 +195,7 @@ class PlanCommand:
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", default=None, help="passes over the training data")
     p.add_argument("--max-steps", default=None, help="optimizer steps")
-    p.add_argument("--lr", default=None, help="peak learning rate")
+    p.add_argument("--lr", default=None, help="peak learning rate, or auto: the suggestion of memplan lr-find")
     p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -258,6 +258,9 @@ class FitCommand:
         plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **_search_kwargs(args),
                       **layout_kwargs(spec))
         print(plan.table())
+        if args.lr == "auto":
+            from ._lr_find import auto_lr
+            args.lr = auto_lr(task, plan.config, plan.device)
         result = train_plan(task, plan, _train_options(args, plan.device), launch=spec)
         _print_result(result)
         return 0
@@ -280,12 +283,44 @@ class TrainCommand:
         from ._plan import Plan
         task = load_task(args.model)
         plan = Plan.load(args.plan)
+        if args.lr == "auto":
+            from ._lr_find import auto_lr
+            args.lr = auto_lr(task, plan.config, plan.device)
         result = train_plan(task, plan, _train_options(args, plan.device), vram=args.vram, launch=_launch_spec(args))
         _print_result(result)
         return 0
 
 
-_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand())}
+class DoctorCommand:
+    """Check a model for training bugs: overfit one batch, gradients per layer, outputs, init, data, loading."""
+
+    name = "doctor"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ._doctor_cli import add_doctor_arguments
+        add_doctor_arguments(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._doctor_cli import run_doctor
+        return run_doctor(args)
+
+
+class LrFindCommand:
+    """Learning-rate range test: an exponential sweep, a suggested learning rate and a plot."""
+
+    name = "lr-find"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ._lr_find import add_lr_find_arguments
+        add_lr_find_arguments(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._lr_find import run_lr_find
+        return run_lr_find(args)
+
+
+_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand(),
+                                       DoctorCommand(), LrFindCommand())}
 
 
 def build_parser() -> argparse.ArgumentParser:
