@@ -76,18 +76,23 @@ def main() -> None:
         result = lr_find(task, batch_size=32)
         find_s = time.perf_counter() - start
         steep = suggest(result.lrs, result.smoothed, "steepest")[0]
-        rows.append(f"| {name} | {type(task.make_optimizer(task.build_model())).__name__} | {best:.3g} | "
+        stated = task.settings.get("lr", "-")
+        rows.append(f"| {name} | {type(task.make_optimizer(task.build_model())).__name__} | {stated} | {best:.3g} | "
                     f"{result.suggestion:.3g} ({result.suggestion / best:.2f}x) | {steep:.3g} ({steep / best:.2f}x) | "
                     f"{len(result.lrs)} | {find_s:.1f} s | {grid_s:.0f} s |")
         print(rows[-1], flush=True)
+        _write(args, rows)  # after each model: a long run cut short keeps what it measured
+
+
+def _write(args: argparse.Namespace, rows: list[str]) -> None:
     text = [
         "# lr-find against a grid of constant learning rates", "",
         f"Command: `python benchmarks/lr_find_accuracy.py --models {args.models} --steps {args.steps}` "
         f"(torch {torch.__version__}, {platform.machine()}, 1 thread, shared 2-core machine: times are indicative).", "",
         f"Grid: 21 constant lrs 1e-5..1 (x10^0.25), {args.steps} steps of batch 32 each; best = lowest mean loss "
         "of the last 20 steps. lr-find: 1e-7 to 10 over 100 steps, EMA 0.9, stop at 4x the minimum.", "",
-        "| model | optimizer | grid best | lr-find min/10 (ratio) | steepest (ratio) | sweep steps | lr-find time | grid time |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
+        "| model | optimizer | model file's lr | grid best | lr-find min/10 (ratio) | steepest (ratio) | sweep steps | lr-find time | grid time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
     Path(args.out).write_text("\n".join(text))
 
 
