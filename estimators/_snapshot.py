@@ -22,7 +22,6 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from ._allocator import CachingAllocatorSim
 from ._timeline import Timeline

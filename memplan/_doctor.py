@@ -111,7 +111,9 @@ def check_data(task: Task, out: list[Finding], stats: dict[str, Any], *, items: 
             elif const.any():
                 _set(out, "data", "constant_features", "info",
                      f"input {k}: {int(const.sum())} of {const.numel()} features are constant over {n} items")
-    if labels is not None:
+    # One label per item (classification); token targets of a sequence model are as skewed
+    # as the language itself, which is no bug.
+    if labels is not None and labels.dim() == 1:
         counts = torch.bincount(labels.flatten().clamp_min(0))
         present = counts[counts > 0]
         info["label_counts"] = counts.tolist()[:100]

@@ -1,4 +1,4 @@
-"""The ``memplan`` command: estimate, probe, plan, fit, train.
+"""The ``memplan`` command: estimate, probe, plan, fit, train, doctor, lr-find.
 
 Subcommands are small classes registered in one dict; ``main(argv) -> int``. Every
 :class:`MemplanError` becomes one line on stderr and exit code 2.
