@@ -111,8 +111,9 @@ def test_shuffled_labels_have_no_signal(write_model):
 
 
 def test_loader_rule():
-    assert loader_finding(0.02, 0.01).problem == "input_bound"
+    assert loader_finding(0.02, 0.01).severity == "warning"
     assert loader_finding(0.001, 0.01) is None
+    assert loader_finding(0.005, 0.001).severity == "info"  # a tiny model: the loader's fixed cost
 
 
 def test_every_problem_has_cause_and_fix():
