@@ -15,7 +15,8 @@ default, seeded, in a few seconds for small models:
 * **signal**: a short training on other batches must lower the loss of held-out items
   (shuffled labels cannot);
 * **loader**: a DataLoader batch against a training step on it (input-bound when loading
-  takes as long as the step).
+  takes as long as the step; only a note under 10 ms a step, where any loader's fixed cost
+  shows).
 
 Each finding names an entry of :data:`memplan._problems.PROBLEMS` (cause and fix).
 """
