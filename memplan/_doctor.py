@@ -11,8 +11,9 @@ default, seeded, in a few seconds for small models:
 * **gradients**: per layer norms after one backward: non-finite, exploding (norm > 1e3),
   vanishing (a layer's gradient/weight ratio 1e-5 of the largest), and parameters that get no
   gradient (or only zeros) in any step of the overfit run;
-* **overfit**: N steps on one batch of 4 items must bring its loss to a tenth of the start;
-* **signal**: a short training on other batches must lower the loss of held-out items
+* **overfit**: up to N steps (300) on one batch of 4 items must bring its loss to a tenth of
+  the start;
+* **signal**: a short training (60 steps of 32) on other items must lower the loss of held-out items
   (shuffled labels cannot);
 * **loader**: a DataLoader batch against a training step on it (input-bound when loading
   takes as long as the step; only a note under 10 ms a step, where any loader's fixed cost
@@ -211,7 +212,7 @@ def check_dead(seen: dict[str, bool], out: list[Finding], steps: int) -> None:
 
 
 def _train_steps(task: Task, model: nn.Module, batches: Callable[[int], Any], steps: int,
-                 seen: dict[str, bool] | None = None) -> list[float]:
+                 seen: dict[str, bool] | None = None, done: Callable[[list[float]], bool] | None = None) -> list[float]:
     optimizer = task.make_optimizer(model)
     losses = []
     for step in range(steps):
@@ -227,24 +228,38 @@ def _train_steps(task: Task, model: nn.Module, batches: Callable[[int], Any], st
                     seen[n] = True
         optimizer.step()
         losses.append(float(loss.detach()))
+        if done is not None and done(losses):
+            break
     return losses
+
+
+def _eval_loss(task: Task, model: nn.Module, batch: Any) -> float:
+    """The loss with dropout off and norms on their running statistics."""
+    model.eval()
+    with torch.no_grad():
+        value = float(task.compute_loss(model, batch))
+    model.train()
+    return value
 
 
 def check_overfit(task: Task, model: nn.Module, batch: Any, steps: int, out: list[Finding],
                   stats: dict[str, Any], seen: dict[str, bool]) -> None:
-    losses = _train_steps(task, model, lambda _s: batch, steps, seen)
+    # Judged in eval mode (dropout off), every 10 steps: memorised once that loss is a tenth
+    # of the start, and the remaining steps would only confirm it. BatchNorm's running
+    # statistics lag the training loss by a few dozen steps, hence eval mode, not the last loss.
+    def memorised(losses: list[float]) -> bool:
+        return len(losses) % 10 == 0 and _eval_loss(task, model, batch) <= 0.1 * losses[0]
+
+    losses = _train_steps(task, model, lambda _s: batch, steps, seen, done=memorised)
     stats["overfit_losses"] = losses
     if losses and not math.isfinite(losses[-1]):
         _set(out, "overfit", "nan_loss", "error", f"at step {len(losses)} of overfitting one batch")
         return
-    model.eval()  # dropout off: memorised or not, without the noise
-    with torch.no_grad():
-        final = float(task.compute_loss(model, batch))
-    model.train()
+    final = _eval_loss(task, model, batch)
     stats["overfit_final_loss"] = final
     if losses and final > 0.1 * losses[0] and final > 1e-3:
         _set(out, "overfit", "no_overfit", "warning",
-             f"loss {losses[0]:.3g} -> {final:.3g} after {steps} steps on one batch (expected below {0.1 * losses[0]:.3g})")
+             f"loss {losses[0]:.3g} -> {final:.3g} after {len(losses)} steps on one batch (expected below {0.1 * losses[0]:.3g})")
 
 
 def check_signal(task: Task, device: str, seed: int, steps: int, out: list[Finding], stats: dict[str, Any]) -> None:
@@ -313,9 +328,13 @@ def check_loader(task: Task, model: nn.Module, device: str, out: list[Finding], 
         out.append(finding)
 
 
-def doctor(model: Task | str, *, device: str = "cpu", steps: int = 100, seed: int = 0,
+def doctor(model: Task | str, *, device: str = "cpu", steps: int = 300, signal_steps: int = 60, seed: int = 0,
            checks: tuple[str, ...] = CHECKS) -> DoctorReport:
     """Run the checks on a model file (or :class:`Task`) and return what they found.
+
+    ``steps``: the most steps of overfitting one batch (it stops once memorised: a
+    transformer's loss sits on the unigram plateau for a while before it memorises);
+    ``signal_steps``: the short training of the held-out check (batch 32).
 
     >>> report = doctor("examples/digits.py")     # doctest: +SKIP
     >>> report.healthy                            # doctest: +SKIP
@@ -348,7 +367,7 @@ def doctor(model: Task | str, *, device: str = "cpu", steps: int = 100, seed: in
         if "overfit" not in checks:
             out[:] = [f for f in out if f.check != "overfit"]
     if "signal" in checks:
-        check_signal(task, device, seed, max(steps // 2, 20), out, stats)
+        check_signal(task, device, seed, signal_steps, out, stats)
     if "loader" in checks and task.dataset() is not None:
         check_loader(task, _fresh_model(task, device, seed), device, out, stats)
     return DoctorReport(task.name, tuple(out), stats)

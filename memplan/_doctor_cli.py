@@ -17,7 +17,7 @@ DOCTOR_FILE = "doctor.json"
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model file (defines model(), train_data(), …)")
-    p.add_argument("--steps", default="100", help="steps of the overfit-one-batch check (default 100)")
+    p.add_argument("--steps", default="300", help="most steps of the overfit-one-batch check (default 300; it stops once memorised)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--seed", default="0", help="seed of the model's init and the data order")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
