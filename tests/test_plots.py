@@ -31,6 +31,20 @@ def train_data():
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture
+def closing():
+    """Estimators made by a test, closed after it: a slow trace (a loaded machine) starts a
+    forked trace worker, which must not outlive the test."""
+    made: list[Estimator] = []
+
+    def make(*args, **kwargs) -> Estimator:
+        made.append(Estimator(*args, **kwargs))
+        return made[-1]
+    yield make
+    for estimator in made:
+        estimator.close()
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     path = tmp_path_factory.mktemp("m") / "mlp.py"
@@ -39,8 +53,8 @@ def task(tmp_path_factory):
 
 
 @pytest.mark.parametrize("device,gpu", [("cuda", "A100-80GB"), ("cpu", None)])
-def test_timeline_and_snapshot_carry_the_estimates_peak(task, tmp_path, device, gpu):
-    estimator = Estimator(task, device=device, gpu=gpu)
+def test_timeline_and_snapshot_carry_the_estimates_peak(task, tmp_path, device, gpu, closing):
+    estimator = closing(task, device=device, gpu=gpu)
     config = TrainConfig(micro_batch_size=64, grad_accum_steps=2)
     est = estimator.estimate(config, exact=True)
     timeline = predicted_timeline(estimator, config)
@@ -89,8 +103,8 @@ def test_snapshot_peak_counts_blocks_alive_before_the_trace_as_the_viewer_does()
     assert snapshot_peak(snap) == 1000 + 500 + 700
 
 
-def test_snapshot_addresses_never_overlap_while_alive(task):
-    estimator = Estimator(task, device="cuda", gpu="A100-80GB")
+def test_snapshot_addresses_never_overlap_while_alive(task, closing):
+    estimator = closing(task, device="cuda", gpu="A100-80GB")
     snap = to_snapshot(predicted_timeline(estimator, TrainConfig(micro_batch_size=16)))
     live: dict[int, int] = {}
     for e in snap["device_traces"][0]:
@@ -135,20 +149,13 @@ def test_missing_matplotlib_is_one_line_naming_the_extra(task, tmp_path, capsys,
     assert code == 2 and "memplan[plots]" in err and len(err.strip().splitlines()) == 1
 
 
-def test_plan_plot_marks_infeasible_chosen_and_the_front(task, tmp_path):
+def test_plan_plot_marks_infeasible_chosen_and_the_front(task, tmp_path, closing):
     from memplan._plots import PlanPoint, pareto_front
     from memplan._search import search
 
-    class Study:
-        def __init__(self):
-            self.user_attrs = {}
-
-        def set_user_attr(self, key, value):
-            self.user_attrs[key] = value
-
-    estimator = Estimator(task, device="cpu")
-    small = estimator.estimate(TrainConfig(micro_batch_size=8, grad_accum_steps=32)).peak_allocated_bytes
-    big = estimator.estimate(TrainConfig(micro_batch_size=256)).peak_allocated_bytes
+    estimator = closing(task, device="cpu")
+    small = estimator.estimate(TrainConfig(micro_batch_size=8, grad_accum_steps=32), exact=True).peak_allocated_bytes
+    big = estimator.estimate(TrainConfig(micro_batch_size=256), exact=True).peak_allocated_bytes
     # A budget between the smallest and the largest configuration: some are infeasible.
     plot = tmp_path / "plan.png"
     plan = search(task, vram=int((small + big) / 2 / 0.9), global_batch=256, probe_top=0,
