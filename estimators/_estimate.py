@@ -761,12 +761,7 @@ class Estimator:
     # -- replay ---------------------------------------------------------------------------
     def _replay(self, config: TrainConfig, p: _Prepared, method: str) -> Estimate:
         cuda = self.device == "cuda"
-        sizes = p.alloc_bytes
-        if cuda:
-            sizes = np.where(sizes > 0, ((sizes + 511) // 512) * 512, 0)
-            if len(p.host_allocs):
-                sizes = sizes.copy()
-                sizes[p.host_allocs] = 0  # host memory, not the GPU's
+        sizes = replay_sizes(p, self.device)
         signed = sizes[p.event_alloc] * p.event_sign.astype(np.int64)
         running = np.cumsum(signed)
         peak_index = int(np.argmax(running)) if len(running) else 0
@@ -877,6 +872,18 @@ def _aligned(traces: list[_Prepared]) -> bool:
         and np.array_equal(t.alloc_category, first.alloc_category)
         for t in traces[1:]
     )
+
+
+def replay_sizes(p: _Prepared, device: str) -> np.ndarray:
+    """Bytes of each allocation as the target's allocator counts them (one place, so that
+    the estimate and its timeline export cannot disagree)."""
+    sizes = p.alloc_bytes
+    if device == "cuda":
+        sizes = np.where(sizes > 0, ((sizes + 511) // 512) * 512, 0)
+        if len(p.host_allocs):
+            sizes = sizes.copy()
+            sizes[p.host_allocs] = 0  # host memory, not the GPU's
+    return sizes
 
 
 def _simulate_reserved(sizes: np.ndarray, event_alloc: np.ndarray, event_sign: np.ndarray) -> int:

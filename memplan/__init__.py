@@ -13,8 +13,10 @@ from estimators import (
 
 __version__ = "0.1.0"
 
+from ._doctor import doctor  # noqa: E402
 from ._fit import fit, train_plan  # noqa: E402 - the version is read by provenance()
 from ._launch import LaunchSpec, launch_training  # noqa: E402
+from ._lr_find import lr_find  # noqa: E402
 from ._plan import Plan, PlanEntry  # noqa: E402
 from ._recovery import keep_global_batch  # noqa: E402
 from ._search import search  # noqa: E402
@@ -25,5 +27,5 @@ __all__ = [
     "ConfigError", "Estimate", "Estimator", "MemplanError", "ModelFileError", "NoFeasiblePlanError",
     "Task", "TrainConfig", "TrainingError", "estimate", "format_size", "load_task", "parse_size",
     "LaunchSpec", "Plan", "PlanEntry", "TrainOptions", "TrainResult", "fit", "keep_global_batch", "search", "train", "train_plan",
-    "launch_training", "__version__",
+    "launch_training", "doctor", "lr_find", "__version__",
 ]

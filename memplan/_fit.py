@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +41,7 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
     if config.strategy == "single" and spec.world_size == 1:
         guard = MemoryGuard(budget, device="cuda" if device.startswith("cuda") else "cpu")
         # The ladder: what OOM recovery steps down to (same global batch, less predicted memory).
-        return train(task, config, options, memory_guard=guard, ladder=plan.ladder())
+        return _with_report(train(task, config, options, memory_guard=guard, ladder=plan.ladder()), options)
     if config.world_size != spec.world_size or config.strategy == "single":
         raise ConfigError(
             f"the plan's configuration ({config.describe()}) runs on {config.world_size} process(es), but "
@@ -50,7 +51,19 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
     if task.source_path is None:
         raise ConfigError("distributed training rebuilds the task in every process from its model file; "
                           "pass a model-file path instead of a module")
-    return launch_training(task.source_path, config, options, spec=spec, budget_bytes=budget, ladder=plan.ladder())
+    return _with_report(launch_training(task.source_path, config, options, spec=spec, budget_bytes=budget,
+                                        ladder=plan.ladder()), options)
+
+
+def _with_report(result: TrainResult | None, options: TrainOptions) -> TrainResult | None:
+    """Write ``OUT/report.html`` where rank 0 wrote its results (not on the other machines)."""
+    if result is not None:
+        from ._html_report import write_report
+        try:
+            write_report(options.out_dir)
+        except Exception as exc:  # noqa: BLE001 - a report must never fail a finished run
+            logging.getLogger("memplan").warning("could not write %s/report.html: %s", options.out_dir, exc)
+    return result
 
 
 def fit(

@@ -169,6 +169,7 @@ def search(
     gpus: int = 1,
     nodes: int = 1,
     strategies: Sequence[str] | None = None,
+    plot: str | os.PathLike[str] | None = None,
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -186,6 +187,9 @@ def search(
     training; more search DDP and FSDP2 over all of them (``strategies`` narrows that), with
     ``vram`` the budget of each device and the global batch split over the ranks. Distributed
     configurations are ranked by prediction (a probe runs one process).
+
+    ``plot`` writes every trial's predicted peak against samples/s to that image file
+    (``memplan[plots]``) and stores the figure as user attributes of the study.
 
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
     alone the best are probed, and probes that overturn the prediction are confirmed by
@@ -326,7 +330,7 @@ def search(
     summary = summarize_failures(failed)
     if summary:
         notes.append(summary)
-    return Plan(
+    plan = Plan(
         entries=tuple(entries),
         budget_bytes=budget,
         margin=margin,
@@ -339,6 +343,10 @@ def search(
                               source_hash=task.source_hash, source_path=task.source_path),
         notes=tuple(notes),
     )
+    if plot is not None:
+        from ._plots import record_plan_plot
+        record_plan_plot(plan, estimates, plot, mirrored.persistent)
+    return plan
 
 
 def _need(estimate: Estimate) -> int:

@@ -42,7 +42,9 @@ What a run writes to ``out_dir``:
 ``model.pt``        the result: best weights with early stopping, else the final ones (EMA's if on).
 ``metrics.jsonl``   one JSON object a line: ``{"type": "step", "step", "epoch", "loss", "lr",
                     "samples_per_s", "grad_norm", "peak_memory_bytes", "skipped"[, "scaler_skipped",
-                    "gpu_util_percent", "gpu_memory_used_bytes"]}`` per optimizer step,
+                    "gpu_util_percent", "gpu_memory_used_bytes", "gpu_power_watts", "gpu_temperature_c",
+                    "layer_grad_norms"]}`` per optimizer step (NVML on CUDA; per-layer gradient norms,
+                    before clipping, at step 1 and every 50th: ``memplan._monitor``),
                     ``{"type": "eval", "step", "epoch", "val_loss"[, "val_accuracy"], "best",
                     "improved"}`` per evaluation, ``{"type": "oom_recovery", "event": "oom_recovery",
                     "step", "phase", "from", "to", "peak_at_failure", "seconds", "error"}`` per switch
@@ -110,6 +112,7 @@ from ._checkpoint_io import (
     SHARDED_DIR, DamagedCheckpointError, load_checkpoint, load_latest_checkpoint, load_sharded, previous_path,
     remove_stale_sharded, save_checkpoint, save_sharded,
 )
+from ._monitor import TrainingMonitor
 from ._recovery import (
     DistributedOOM, OOMRecord, RecoveryEvent, free_memory, ladder_peaks, pick_rung, restore_optimizer,
     restore_tensors, snapshot_optimizer, snapshot_tensors,
@@ -139,7 +142,8 @@ class TrainOptions:
     """Optimizer steps. With ``epochs`` too, whichever comes first ends the run."""
     lr: float | None = None
     """Peak learning rate for every parameter group. ``None``: ``settings["lr"]`` of the model
-    file, else the optimizer's own lr per group."""
+    file, else the optimizer's own lr per group; ``auto`` (command line, config, settings):
+    memplan lr-find's suggestion for the chosen plan."""
     schedule: ScheduleName | None = None
     """Learning-rate schedule, stepped once per optimizer step.
     One of cosine, onecycle, step, multistep, exponential, cosine_restarts, plateau, constant
@@ -912,7 +916,9 @@ class Trainer:
         self._pending_evaluation = False
         # This process only.
         self._throughput: list[tuple[int, float]] = []
-        self._nvml: Any = None
+        # Per-layer gradient norms every N steps and NVML readings (memplan._monitor); FSDP2's
+        # gradients are shards, whose per-layer norms would each need a collective.
+        self._monitor = TrainingMonitor(self.device, enabled=self.config.strategy != "fsdp" and self.is_main)
 
     def _make_schedule(self) -> LRSchedule:
         """The model file's ``scheduler()`` when it has one and no schedule is named, else the
@@ -1101,6 +1107,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 return _WindowOutcome(loss_value, applied=False, nonfinite=True, grad_norm=grad_norm,
                                       seconds=time.perf_counter() - t0)
+        self._monitor.capture(self.model, self.step + 1, grad_norm=grad_norm, clip=self.options.grad_clip)
         applied = _precision.optimizer_step(self.optimizer, self.scaler)
         self._optimizer_undo = None
         self.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next backward
@@ -1794,24 +1801,8 @@ class Trainer:
         return peak
 
     def _gpu_stats(self) -> dict[str, Any]:
-        """GPU utilisation and memory from NVML, on CUDA only; any failure turns it off."""
-        if self.device.type != "cuda" or self._nvml is False:
-            return {}
-        try:
-            if self._nvml is None:
-                import pynvml  # nvidia-ml-py; imported lazily: optional at run time
-
-                pynvml.nvmlInit()
-                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
-            nv, handle = self._nvml
-            return {
-                "gpu_util_percent": nv.nvmlDeviceGetUtilizationRates(handle).gpu,
-                "gpu_memory_used_bytes": int(nv.nvmlDeviceGetMemoryInfo(handle).used),
-            }
-        except Exception:  # noqa: BLE001 - monitoring must never stop training
-            self._nvml = False
-            return {}
+        """NVML readings on CUDA, and the per-layer gradient norms when this step took them."""
+        return self._monitor.fields()
 
     def _log(self, record: dict[str, Any]) -> None:
         """Queue a line of ``metrics.jsonl``. Step records are written in batches, at most

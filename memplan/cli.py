@@ -1,4 +1,4 @@
-"""The ``memplan`` command: estimate, probe, plan, fit, train.
+"""The ``memplan`` command: estimate, probe, plan, fit, train, doctor, lr-find.
 
 Subcommands are small classes registered in one dict; ``main(argv) -> int``. Every
 :class:`MemplanError` becomes one line on stderr and exit code 2.
@@ -63,11 +63,19 @@ class EstimateCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         _add_config_args(p)
+        p.add_argument("--plot", default=None, help="draw the predicted memory timeline to this image (memplan[plots])")
+        p.add_argument("--snapshot", default=None, help="write the timeline as a torch.cuda.memory._snapshot() pickle")
+        p.add_argument("--vram", default=None, help="budget line drawn on --plot (default: the --gpu card's memory)")
 
     def run(self, args: argparse.Namespace) -> int:
         config = _config_from(args)
         task = load_task(args.model)
-        est = Estimator(task, device=args.device, gpu=args.gpu).estimate(config, exact=True)
+        estimator = Estimator(task, device=args.device, gpu=args.gpu)
+        est = estimator.estimate(config, exact=True)
+        if args.plot or args.snapshot:
+            from ._timeline_out import write_timeline_outputs
+            for line in write_timeline_outputs(estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram):
+                print(line, file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(est.to_dict(), indent=2))
         else:
@@ -193,13 +201,17 @@ class PlanCommand:
         _add_layout_args(p)
         p.add_argument("--out", default=None, help="write the plan as JSON to this file")
         p.add_argument("--json", action="store_true", help="print the plan as JSON")
+        p.add_argument("--plot", default=None, help="draw every trial's peak against samples/s to this image (memplan[plots])")
 
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import layout_kwargs
         from ._search import search
         gpus, nodes = _layout(args)
+        if args.plot:
+            from ._plots import require_matplotlib
+            require_matplotlib()  # fail before the search, not after it
         plan = search(args.model, progress=not (args.json or args.no_progress) and sys.stderr.isatty(), **_search_kwargs(args),
-                      **layout_kwargs(None, gpus=gpus, nodes=nodes))
+                      **layout_kwargs(None, gpus=gpus, nodes=nodes), plot=args.plot)
         if args.out:
             plan.save(args.out)
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
@@ -213,14 +225,41 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add_option_flags(p)
 
 
+def _lr_auto(args: argparse.Namespace, task) -> bool:
+    """``--lr auto`` (or ``lr = "auto"`` in the config or the settings): the learning rate is
+    memplan lr-find's suggestion on the chosen plan, found once the plan is known."""
+    config = getattr(args, "config_values", None) or {}
+    given = getattr(args, "option_lr", None)
+    if given is None:
+        given = config.get("lr", task.settings.get("lr"))
+    return isinstance(given, str) and given.strip().lower() == "auto"
+
+
+def _with_plan(args: argparse.Namespace, options, task, plan):
+    """The options for training ``plan``: its device, and the learning rate lr-find suggests
+    for its configuration when ``--lr auto`` was asked for."""
+    options = replace(options, device=plan.device)
+    if _lr_auto(args, task):
+        from ._lr_find import auto_lr
+        options = replace(options, lr=float(auto_lr(task, plan.config, plan.device)))
+    return options
+
+
 def _train_options(args: argparse.Namespace, device: str, task):
     from pathlib import Path
     from ._options import option_specs, resolve_options
     config = getattr(args, "config_values", None)
+    settings = task.settings
+    cli = {spec.name: getattr(args, spec.dest, None) for spec in option_specs()}
+    if _lr_auto(args, task):
+        # Found on the plan, after the search (see _with_plan); none until then.
+        cli["lr"] = None
+        config = {k: v for k, v in (config or {}).items() if k != "lr"} if config is not None else None
+        settings = {k: v for k, v in settings.items() if k != "lr"}
     return resolve_options(
-        cli={spec.name: getattr(args, spec.dest, None) for spec in option_specs()},
+        cli=cli,
         config=config, config_name=Path(args.config).name if config is not None else "config",
-        settings=task.settings, settings_name=Path(task.source_path).name if task.source_path else task.name,
+        settings=settings, settings_name=Path(task.source_path).name if task.source_path else task.name,
         out_dir=Path(args.out), resume=args.resume, device=device, progress=not args.no_progress,
         seed=parse_count(args.seed, what="--seed", minimum=0) if getattr(args, "seed", None) is not None else None,
     )
@@ -278,7 +317,7 @@ class FitCommand:
             _check_device(args, plan)
             print(f"resuming the plan in {args.out}/plan.json (no search)")
         print(plan.table())
-        result = train_plan(task, plan, replace(options, device=plan.device), launch=spec)
+        result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec)
         _print_result(result)
         return 0
 
@@ -304,7 +343,7 @@ class TrainCommand:
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
         _check_device(args, plan)
-        result = train_plan(task, plan, replace(options, device=plan.device), vram=args.vram, launch=_launch_spec(args))
+        result = train_plan(task, plan, _with_plan(args, options, task, plan), vram=args.vram, launch=_launch_spec(args))
         _print_result(result)
         return 0
 
@@ -326,8 +365,37 @@ class InitCommand:
         return 0
 
 
+
+class DoctorCommand:
+    """Check a model for training bugs: overfit one batch, gradients per layer, outputs, init, data, loading."""
+
+    name = "doctor"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ._doctor_cli import add_doctor_arguments
+        add_doctor_arguments(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._doctor_cli import run_doctor
+        return run_doctor(args)
+
+
+class LrFindCommand:
+    """Learning-rate range test: an exponential sweep, a suggested learning rate and a plot."""
+
+    name = "lr-find"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ._lr_find import add_lr_find_arguments
+        add_lr_find_arguments(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._lr_find import run_lr_find
+        return run_lr_find(args)
+
+
 _COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand(),
-                                        InitCommand())}
+                                       InitCommand(), DoctorCommand(), LrFindCommand())}
 
 
 def build_parser() -> argparse.ArgumentParser:
