@@ -55,6 +55,10 @@ CUDA_ANCHORS = (1, 2, 3)
 batch 1 is an anchor and needs no trace of its own. A model that cannot train at batch 1
 (BatchNorm refuses it) or shapes it differently falls back to ``ANCHORS``."""
 
+DATA_DEPENDENT_DRAWS = 4
+"""Real two-step runs (disjoint batches) a model with data-dependent shapes is measured on;
+its estimate is the fullest, and says so."""
+
 PARALLEL_TRACE_S = 1.0
 """Fake traces taking at least this long share batch-scaling anchors with a worker process."""
 
@@ -87,6 +91,12 @@ class Estimate:
     step_time_s: float | None = None
     samples_per_s: float | None = None
     notes: tuple[str, ...] = ()
+    batch_shapes: Mapping[str, Any] | None = None
+    """For items of varying shape: the batch planned for (``policy``, ``padded`` sizes, the
+    ``items`` that set them), where the sizes came from (``source``, ``coverage``), and, when
+    asked (``Estimator.shape_distribution``), the predicted peak at the ``median``, ``p99``
+    and ``max`` batch. For data-dependent models: the real batches the worst was taken over
+    (``draws``, ``batch_offset`` of the worst). None for fixed-shape data."""
     time_parts: Mapping[str, float] | None = None
     """A prediction's step time before calibration, in the parts probes refit: ``overhead``
     (per-op fixed cost), the roofline work per op dtype (``float32``, ``bfloat16``, …), and
@@ -176,6 +186,8 @@ class _Prepared:
     costs: OpCosts | None = None
     host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Allocations in host memory on any device (see ``Trace.host_allocs``)."""
+    draws: tuple[int, int] | None = None
+    """(real batches, batch offset of the fullest) of a data-dependent model's real runs."""
 
     def op_costs(self) -> OpCosts:
         if self.costs is None:
@@ -189,8 +201,10 @@ class Estimator:
     Thread-safe for concurrent ``estimate`` calls (a lock serialises tracing).
     """
 
-    def __init__(self, task: Task, *, device: str | None = None, gpu: str | None = None) -> None:
-        self.task = task
+    def __init__(self, task: Task, *, device: str | None = None, gpu: str | None = None,
+                 shape_policy: str | None = None) -> None:
+        self.task = task.with_shape_policy(shape_policy) if shape_policy is not None else task
+        self._shape_estimators: dict[str, Estimator] = {}
         self.device, self.spec = resolve_target(device, gpu)
         self._prepared: dict[tuple[Any, int], _Prepared] = {}
         self._scaling: dict[Any, _Scaling | None] = {}
@@ -286,8 +300,8 @@ class Estimator:
                 else:
                     fake[(key, a)] = (config, a)
             fitted = reference_config(config) or config
-            if self.device == "cpu" and fit_key(fitted) not in fits:
-                fits.add(fit_key(fitted))
+            if self.device == "cpu" and self._fit_key(fitted) not in fits:
+                fits.add(self._fit_key(fitted))
                 local.append(("workspace", fitted, 0))
         if len(fake) < 2:
             return
@@ -443,11 +457,19 @@ class Estimator:
             )
 
     # -- traces -------------------------------------------------------------------------
-    @staticmethod
-    def _shape_key(config: TrainConfig) -> tuple[Any, ...]:
+    def _shape_key(self, config: TrainConfig) -> tuple[Any, ...]:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
+        # With items of varying shape, the items that set the planned batch's padded size.
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
-                config.strategy, config.world_size)
+                config.strategy, config.world_size, self._planned_key(config))
+
+    def _planned_key(self, config: TrainConfig) -> tuple[Any, ...] | None:
+        planned = self.task.planned(config.micro_batch_size)
+        return planned.key() if planned is not None else None
+
+    def _fit_key(self, config: TrainConfig) -> tuple[Any, ...]:
+        """Workspaces are fitted at the planned batch's padded size: kernels' scratch follows it."""
+        return (*fit_key(config), self._planned_key(config))
 
     def _trace(self, config: TrainConfig, batch: int) -> _Prepared:
         key = (self._shape_key(config), batch)
@@ -495,8 +517,27 @@ class Estimator:
                 return trace
             except DataDependentShapes:
                 self._data_dependent = True
-        return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
-                          target=self.device)
+        return self._worst_real_trace(config, batch)
+
+    def _worst_real_trace(self, config: TrainConfig, batch: int) -> Trace:
+        """Shapes that depend on data values (routing, ``nonzero``) differ from batch to batch:
+        real runs on ``DATA_DEPENDENT_DRAWS`` disjoint sets of batches, the fullest kept (its
+        note says over how many batches)."""
+        micro = min(config.grad_accum_steps, 2)
+        per_draw = 2 * micro  # batches of a two-step run
+        best: Trace | None = None
+        best_peak = -1
+        for draw in range(DATA_DEPENDENT_DRAWS):
+            offset = draw * (per_draw + micro) * batch
+            trace = trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
+                               target=self.device, batch_offset=offset)
+            peak = _trace_peak(trace)
+            if peak > best_peak:
+                best, best_peak = trace, peak
+                best.batch_offset = offset
+        assert best is not None
+        best.draws = DATA_DEPENDENT_DRAWS * per_draw
+        return best
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
         """Per-op CPU workspace bytes for ``trace``: measured directly when the trace was a
@@ -506,7 +547,7 @@ class Estimator:
         if trace.op_workspace is not None:
             return trace.op_workspace, None
         reference = reference_config(trace.config)
-        if reference is not None and fit_key(trace.config) not in self._workspace_fits:
+        if reference is not None and self._fit_key(trace.config) not in self._workspace_fits:
             borrowed = self._workspace_fit(reference)
             ws = borrowed_workspaces(trace, borrowed) if borrowed is not None else None
             if ws is not None:
@@ -519,7 +560,7 @@ class Estimator:
         return (ws, None) if ws is not None else (None, _DIVERGED)
 
     def _workspace_fit(self, config: TrainConfig) -> WorkspaceFit | None:
-        key = fit_key(config)
+        key = self._fit_key(config)
         with self._lock:
             if key not in self._workspace_fits:
                 self._workspace_fits[key] = measure_fit(self.task, config)
@@ -581,6 +622,7 @@ class Estimator:
             notes=tuple(notes),
             ops=trace.ops,
             host_allocs=trace.host_allocs,
+            draws=(trace.draws, trace.batch_offset) if trace.draws else None,
         )
 
     def _events(self, config: TrainConfig, *, exact: bool = False) -> tuple[_Prepared, str]:
@@ -728,6 +770,9 @@ class Estimator:
         breakdown = {Category(i).label: int(round(v)) for i, v in enumerate(by_cat)}
         reserved = None
         notes = list(p.notes)
+        batch_shapes = self._batch_shapes(config, p)
+        if batch_shapes is not None:
+            notes.append(_shapes_note(batch_shapes))
         if cuda:
             reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
         params, trainable = self._param_counts()
@@ -760,7 +805,52 @@ class Estimator:
             trainable_params=trainable,
             notes=tuple(notes),
             time_parts={"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed},
+            batch_shapes=batch_shapes,
         )
+
+    def _batch_shapes(self, config: TrainConfig, p: _Prepared) -> dict[str, Any] | None:
+        """What ``Estimate.batch_shapes`` says of the batch this estimate was made for."""
+        planned = self.task.planned(config.micro_batch_size)
+        out: dict[str, Any] = {}
+        if planned is not None:
+            profile = self.task.shapes()
+            dims = profile.varying_dims
+            per_item = profile.sizes.shape[1]
+            out.update(policy=self.task.shape_policy, items=list(planned.items),
+                       padded=[planned.padded[i] for i in dims], dims=[int(i) for i in dims],
+                       item_max=[int(profile.sizes[:, i].max()) for i in dims],
+                       source=profile.source, coverage=profile.coverage, per_item=per_item)
+            if not profile.collate_pads:
+                out["collate"] = "does not pad to the longest item; planned from collating the planned items"
+        if p.draws is not None:
+            out.update(draws=p.draws[0], batch_offset=p.draws[1])
+        return out or None
+
+    def shape_distribution(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
+        """``estimate(config)`` with the predicted peak at the median, 99th-percentile and
+        worst batch of varying-shape data added to ``batch_shapes`` (each an exact trace of
+        its own; the same estimate for fixed-shape data)."""
+        est = self.estimate(config, exact=exact)
+        if est.batch_shapes is None or "policy" not in est.batch_shapes:
+            return est
+        shapes = dict(est.batch_shapes)
+        for label in ("median", "p99", "max"):
+            if label == self.task.shape_policy:
+                other = est
+            else:
+                sub = self._shape_estimators.get(label)
+                if sub is None:
+                    sub = self._shape_estimators[label] = Estimator(
+                        self.task.with_shape_policy(label), device=self.device,
+                        gpu=self.spec.name if self.spec is not None else None)
+                other = sub.estimate(config, exact=True)
+            assert other.batch_shapes is not None
+            shapes[label] = {"padded": list(other.batch_shapes["padded"]), "items": list(other.batch_shapes["items"]),
+                             "peak_bytes": other.peak_bytes}
+        notes = [*est.notes, "peak at the median / p99 / max batch: " + " / ".join(
+            f"{_mib(shapes[k]['peak_bytes'])} ({'x'.join(map(str, shapes[k]['padded']))})"
+            for k in ("median", "p99", "max"))]
+        return replace(est, batch_shapes=shapes, notes=tuple(notes))
 
     def _comm_time(self, config: TrainConfig, p: _Prepared) -> CommTime | None:
         """Collectives of one optimizer step and the part backward and forward do not hide."""
@@ -820,6 +910,37 @@ class _ModelFacts:
     ddp_buckets: tuple[int, ...]
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _shapes_note(shapes: Mapping[str, Any]) -> str:
+    parts = []
+    if "policy" in shapes:
+        what = ("the worst batch the loader can form" if shapes["policy"] == "max"
+                else f"the {shapes['policy']} batch of an epoch")
+        parts.append(f"batch shapes: planned for {what}, padded to {'x'.join(map(str, shapes['padded']))} "
+                     f"(items {', '.join(map(str, shapes['items'][:4]))}{', …' if len(shapes['items']) > 4 else ''}); "
+                     f"item sizes from {shapes['source']}, {shapes['coverage']}")
+        if "collate" in shapes:
+            parts.append(f"the collate {shapes['collate']}")
+    if "draws" in shapes:
+        parts.append(f"shapes depend on data: the fullest of {shapes['draws']} real batches "
+                     f"(from item {shapes['batch_offset']}); other batches may need more")
+    return "; ".join(parts)
+
+
+def _trace_peak(trace: Trace) -> int:
+    """A trace's peak: tensors alive, plus the largest kernel scratch measured during an op."""
+    signed = trace.alloc_bytes[trace.event_alloc] * trace.event_sign.astype(np.int64)
+    running = np.concatenate([[0], np.cumsum(signed)])
+    peak = int(running.max())
+    if trace.op_workspace is not None and trace.op_positions:
+        pos = np.minimum(np.asarray(trace.op_positions, dtype=np.int64), len(running) - 1)
+        peak = max(peak, int((running[pos] + np.asarray(trace.op_workspace, dtype=np.int64)).max()))
+    return peak
+
+
 def _aligned(traces: list[_Prepared]) -> bool:
     first = traces[0]
     return all(
@@ -855,10 +976,14 @@ def estimate(
     checkpoint: int = 0,
     device: str | None = None,
     gpu: str | None = None,
+    shape_policy: str = "max",
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with one configuration.
 
-    ``model`` is a model-file path or a :class:`Task`.
+    ``model`` is a model-file path or a :class:`Task`. When the dataset's items vary in shape
+    the estimate is for the batch ``shape_policy`` names (``max``: the worst the loader can
+    form; ``p99``: the 99th percentile of an epoch's), and ``batch_shapes`` gives the peak at
+    the median, p99 and max batch.
 
     >>> est = estimate("examples/digits.py", batch_size=64)     # doctest: +SKIP
     >>> est.peak_allocated_bytes                                 # doctest: +SKIP
@@ -868,5 +993,5 @@ def estimate(
     task = load_task(model) if isinstance(model, str) else model
     config = TrainConfig(micro_batch_size=batch_size, grad_accum_steps=accum,
                          precision=normalize_precision(precision), checkpoint_segments=checkpoint)
-    return Estimator(task, device=device, gpu=gpu).estimate(config, exact=True)
+    return Estimator(task, device=device, gpu=gpu, shape_policy=shape_policy).shape_distribution(config)
 
