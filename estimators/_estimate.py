@@ -848,7 +848,7 @@ class Estimator:
             shapes[label] = {"padded": list(other.batch_shapes["padded"]), "items": list(other.batch_shapes["items"]),
                              "peak_bytes": other.peak_bytes}
         notes = [*est.notes, "peak at the median / p99 / max batch: " + " / ".join(
-            f"{_mib(shapes[k]['peak_bytes'])} ({'x'.join(map(str, shapes[k]['padded']))})"
+            f"{_mib(shapes[k]['peak_bytes'])} ({', '.join(map(str, shapes[k]['padded']))})"
             for k in ("median", "p99", "max"))]
         return replace(est, batch_shapes=shapes, notes=tuple(notes))
 
@@ -919,7 +919,7 @@ def _shapes_note(shapes: Mapping[str, Any]) -> str:
     if "policy" in shapes:
         what = ("the worst batch the loader can form" if shapes["policy"] == "max"
                 else f"the {shapes['policy']} batch of an epoch")
-        parts.append(f"batch shapes: planned for {what}, padded to {'x'.join(map(str, shapes['padded']))} "
+        parts.append(f"batch shapes: planned for {what}, padded to sizes ({', '.join(map(str, shapes['padded']))}) "
                      f"(items {', '.join(map(str, shapes['items'][:4]))}{', …' if len(shapes['items']) > 4 else ''}); "
                      f"item sizes from {shapes['source']}, {shapes['coverage']}")
         if "collate" in shapes:

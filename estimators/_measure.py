@@ -112,8 +112,13 @@ def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int,
     return peak, level
 
 
-def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None) -> CpuMeasurement:
+def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None,
+                     batch_offset: int = 0) -> CpuMeasurement:
     """Run ``steps`` real optimizer steps on the CPU and return the allocator's peak.
+
+    The batches are those the estimate is made for (``Task.real_batch``: the planned batch of
+    varying-shape data); ``batch_offset`` starts them elsewhere (the draw a data-dependent
+    model's estimate names in ``Estimate.batch_shapes``).
 
     ``ddp``/``fsdp`` configurations need an initialised default process group (see
     :func:`measure_distributed_peaks`); the model is then built and wrapped, as the trainer
@@ -130,7 +135,8 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
             _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
             model = _parallel.parallelize(model, config, finder=task.checkpoint_blocks)
             with torch.profiler.record_function(_STEPS_MARK):
-                run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+                run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps,
+                      batch_offset=batch_offset)
         peak, level = _allocation_levels(prof, from_mark=_STEPS_MARK)
         return CpuMeasurement(peak_bytes=peak, baseline_bytes=level)
     if model is None:
@@ -139,7 +145,8 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
     _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])
     with _profiled() as prof:
-        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps,
+                      batch_offset=batch_offset)
     peak, _ = _allocation_levels(prof)
     return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline)
 

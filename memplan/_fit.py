@@ -66,6 +66,7 @@ def fit(
     storage: str | None = None,
     options: TrainOptions | None = None,
     launch: LaunchSpec | None = None,
+    shape_policy: str = "max",
 ) -> tuple[Plan, TrainResult | None]:
     """Search the configurations of ``model`` under ``vram``, then train the best one.
 
@@ -78,7 +79,8 @@ def fit(
     """
     task = resolve_task(model, sample)
     plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
-                  probe_top=probe_top, seed=seed, storage=storage, **layout_kwargs(launch))
+                  probe_top=probe_top, seed=seed, storage=storage, shape_policy=shape_policy,
+                  **layout_kwargs(launch))
     opts = options or TrainOptions()
     opts = replace(opts, device=plan.device, seed=seed)
     return plan, train_plan(task, plan, opts, launch=launch)

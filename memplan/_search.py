@@ -128,6 +128,8 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
         task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
         budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
         space.checkpoint_segments, tuple(layout.key for layout in space.layouts), torch.__version__,
+        # Only a non-default policy names itself, so that existing studies keep their names.
+        *((task.shape_policy,) if task.shape_policy != "max" else ()),
     ))
     return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -153,6 +155,7 @@ def search(
     gpus: int = 1,
     nodes: int = 1,
     strategies: Sequence[str] | None = None,
+    shape_policy: str = "max",
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -169,6 +172,11 @@ def search(
     ``vram`` the budget of each device and the global batch split over the ranks. Distributed
     configurations are ranked by prediction (a probe runs one process).
 
+    ``shape_policy``: when the dataset's items vary in shape, every configuration is estimated
+    (and probed) at the largest padded batch the data loader can form at its micro-batch size
+    (``"max"``), or at the 99th percentile of an epoch's batches (``"p99"``: a rarer, larger
+    batch is left to OOM recovery). Fixed-shape data is unaffected.
+
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
     alone the best are probed, and probes that overturn the prediction are confirmed by
     probing again, not by a race.
@@ -181,7 +189,7 @@ def search(
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
-    task = resolve_task(model, sample)
+    task = resolve_task(model, sample).with_shape_policy(shape_policy)
     estimator = estimator_for(task, device=device, gpu=gpu)
     if vram is None:
         budget, _source = default_budget(estimator)

@@ -54,11 +54,13 @@ class EstimateCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         _add_config_args(p)
+        _add_shape_policy(p)
 
     def run(self, args: argparse.Namespace) -> int:
         config = _config_from(args)
         task = load_task(args.model)
-        est = Estimator(task, device=args.device, gpu=args.gpu).estimate(config, exact=True)
+        est = Estimator(task, device=args.device, gpu=args.gpu,
+                        shape_policy=args.shape_policy).shape_distribution(config, exact=True)
         if args.json:
             print(json.dumps(est.to_dict(), indent=2))
         else:
@@ -99,6 +101,12 @@ class ProbeCommand:
         return 0 if result.status == "ok" else 1
 
 
+def _add_shape_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape-policy", choices=["max", "p99"], default="max",
+                   help="items of varying shape: plan for the worst batch the loader can form (max, default) "
+                        "or the 99th percentile of an epoch's batches (p99; rarer ones are left to OOM recovery)")
+
+
 def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model file (defines model(), train_data(), …)")
     p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
@@ -109,6 +117,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
     p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
+    _add_shape_policy(p)
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +162,7 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
         trials=parse_count(args.trials, what="--trials"),
         probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
         seed=parse_count(args.seed, what="--seed", minimum=0),
-        storage=args.storage,
+        storage=args.storage, shape_policy=args.shape_policy,
     )
 
 
