@@ -16,6 +16,7 @@ model (``max_memory_reserved``), with the cuBLAS workspace added as its own allo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -186,8 +187,9 @@ class _Prepared:
     costs: OpCosts | None = None
     host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Allocations in host memory on any device (see ``Trace.host_allocs``)."""
-    draws: tuple[int, int] | None = None
-    """(real batches, batch offset of the fullest) of a data-dependent model's real runs."""
+    draws: tuple[int, int, int | None] | None = None
+    """(real batches, batch offset of the fullest, its peak or None) of a data-dependent
+    model's real runs (see ``Estimator._worst_real_trace``)."""
 
     def op_costs(self) -> OpCosts:
         if self.costs is None:
@@ -520,24 +522,43 @@ class Estimator:
         return self._worst_real_trace(config, batch)
 
     def _worst_real_trace(self, config: TrainConfig, batch: int) -> Trace:
-        """Shapes that depend on data values (routing, ``nonzero``) differ from batch to batch:
-        real runs on ``DATA_DEPENDENT_DRAWS`` disjoint sets of batches, the fullest kept (its
-        note says over how many batches)."""
+        """Shapes that depend on data values (routing, ``nonzero``) differ from batch to batch,
+        and drift as training moves a router: real runs on ``DATA_DEPENDENT_DRAWS`` disjoint
+        sets of batches, and the estimate holds every allocation at the largest it reached in
+        any of them (when the runs share one sequence of allocations; else the fullest run).
+        Only the first run is profiled for kernel scratch (a second, of the fullest, when the
+        runs do not line up)."""
         micro = min(config.grad_accum_steps, 2)
         per_draw = 2 * micro  # batches of a two-step run
-        best: Trace | None = None
-        best_peak = -1
+        profile = self.device == "cpu"
+        runs: list[tuple[int, Trace]] = []
         for draw in range(DATA_DEPENDENT_DRAWS):
             offset = draw * (per_draw + micro) * batch
-            trace = trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
-                               target=self.device, batch_offset=offset)
-            peak = _trace_peak(trace)
-            if peak > best_peak:
-                best, best_peak = trace, peak
-                best.batch_offset = offset
-        assert best is not None
-        best.draws = DATA_DEPENDENT_DRAWS * per_draw
-        return best
+            runs.append((offset, self._real_draw(config, batch, offset, profile and draw == 0)))
+        first = runs[0][1]
+        aligned = all(t.same_structure(first) for _, t in runs[1:])
+        if aligned:
+            # Every run measured with the first one's kernel scratch (the ops line up).
+            peaks = [_trace_peak(dataclasses.replace(first, alloc_bytes=t.alloc_bytes)) for _, t in runs]
+        else:
+            peaks = [_trace_peak(t) for _, t in runs]
+        k = int(np.argmax(peaks))
+        offset, fullest = runs[k]
+        if aligned:
+            bound = dataclasses.replace(first, alloc_bytes=np.max([t.alloc_bytes for _, t in runs], axis=0))
+        else:
+            bound = fullest if not profile or k == 0 else self._real_draw(config, batch, offset, True)
+        bound.batch_offset, bound.draws = offset, DATA_DEPENDENT_DRAWS * per_draw
+        bound.fullest_peak = int(peaks[k]) if aligned else None
+        return bound
+
+    def _real_draw(self, config: TrainConfig, batch: int, offset: int, profile: bool) -> Trace:
+        # The same initial weights for every draw (and every estimate): only the batches
+        # differ, and the caller's random stream is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return trace_step(self.task, config, batch_size=batch, real=True, profile=profile,
+                              target=self.device, batch_offset=offset)
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None]:
         """Per-op CPU workspace bytes for ``trace``: measured directly when the trace was a
@@ -622,7 +643,7 @@ class Estimator:
             notes=tuple(notes),
             ops=trace.ops,
             host_allocs=trace.host_allocs,
-            draws=(trace.draws, trace.batch_offset) if trace.draws else None,
+            draws=(trace.draws, trace.batch_offset, trace.fullest_peak) if trace.draws else None,
         )
 
     def _events(self, config: TrainConfig, *, exact: bool = False) -> tuple[_Prepared, str]:
@@ -824,6 +845,8 @@ class Estimator:
                 out["collate"] = "does not pad to the longest item; planned from collating the planned items"
         if p.draws is not None:
             out.update(draws=p.draws[0], batch_offset=p.draws[1])
+            if p.draws[2] is not None:
+                out.update(bound="each allocation at its largest over the draws", fullest_batch_peak_bytes=p.draws[2])
         return out or None
 
     def shape_distribution(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
@@ -925,8 +948,13 @@ def _shapes_note(shapes: Mapping[str, Any]) -> str:
         if "collate" in shapes:
             parts.append(f"the collate {shapes['collate']}")
     if "draws" in shapes:
-        parts.append(f"shapes depend on data: the fullest of {shapes['draws']} real batches "
-                     f"(from item {shapes['batch_offset']}); other batches may need more")
+        if "bound" in shapes:
+            parts.append(f"shapes depend on data: every allocation at the largest it reached over {shapes['draws']} "
+                         f"real batches (the fullest one, from item {shapes['batch_offset']}, needs "
+                         f"{_mib(shapes['fullest_batch_peak_bytes'])}); batches beyond these may need more")
+        else:
+            parts.append(f"shapes depend on data: the fullest of {shapes['draws']} real batches "
+                         f"(from item {shapes['batch_offset']}); other batches may need more")
     return "; ".join(parts)
 
 

@@ -32,7 +32,7 @@ from ._config import TrainConfig
 from ._task import Task
 from ._trace import run_steps
 
-__all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_distributed_peaks", "storage_bytes"]
+__all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_epoch_peak", "measure_distributed_peaks", "storage_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +149,42 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
                       batch_offset=batch_offset)
     peak, _ = _allocation_levels(prof)
     return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline)
+
+
+def measure_epoch_peak(task: Task, config: TrainConfig, *, seed: int = 0) -> tuple[CpuMeasurement, int]:
+    """The allocator's peak over one real epoch of ``config`` on the CPU: the dataset in a
+    seeded random order (``torch.randperm``, as ``DistributedSampler`` draws it), cut into
+    windows of ``config.global_batch`` items and those into micro-batches, each collated by
+    the task's collate and stepped as the trainer steps it. What a plan made for varying
+    shapes must never fall below. Returns the measurement and the number of micro-batches."""
+    from . import _precision
+
+    data = task.dataset()
+    if data is None or config.strategy != "single":
+        raise ValueError("measure_epoch_peak needs a dataset and a one-device configuration")
+    n = len(data)  # type: ignore[arg-type]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+    model.train()
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    baseline = storage_bytes([*model.parameters(), *model.buffers()])
+    micro_batches = 0
+    with _profiled() as prof:
+        optimizer = task.make_optimizer(model)
+        scaler = _precision.make_grad_scaler(config.precision, "cpu")
+        for start in range(0, n - config.global_batch + 1, config.global_batch):
+            window = order[start:start + config.global_batch]
+            for k in range(0, len(window), config.micro_batch_size):
+                batch = task.collate([data[i] for i in window[k:k + config.micro_batch_size]])
+                with _precision.forward_context(config.precision, "cpu"):
+                    loss = task.compute_loss(model, batch) / config.grad_accum_steps
+                _precision.backward(loss, scaler)
+                del loss, batch
+                micro_batches += 1
+            _precision.optimizer_step(optimizer, scaler)
+            optimizer.zero_grad(set_to_none=True)
+    peak, _ = _allocation_levels(prof)
+    return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline), micro_batches
 
 
 def _free_port() -> int:

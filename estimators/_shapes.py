@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ShapeProfile", "PlannedBatch", "profile_shapes", "planned_batch", "batch_quantiles",
+__all__ = ["ShapeProfile", "PlannedBatch", "profile_shapes", "planned_batch", "batch_quantiles", "largest_items",
            "POLICIES", "SCAN_LIMIT", "PROBE_ITEMS"]
 
 POLICIES = ("max", "p99")
@@ -276,6 +276,16 @@ def fill_items(profile: ShapeProfile, planned: PlannedBatch, count: int, offset:
         return []
     start = offset % len(fits)
     return [int(fits[(start + i) % len(fits)]) for i in range(count)]
+
+
+def largest_items(profile: ShapeProfile, count: int) -> list[int]:
+    """The ``count`` largest known items, largest first (cycled when there are fewer): the
+    worst batch of a collate that does not pad (packing grows with every item)."""
+    order = profile._cache.get("by_volume")
+    if order is None:
+        order = profile.indices[np.argsort(-_volume(profile.sizes), kind="stable")]
+        profile._cache["by_volume"] = order
+    return [int(order[i % len(order)]) for i in range(count)]
 
 
 def grouped_order(sizes: np.ndarray, perm: np.ndarray, b: int, *, mega: int = 50) -> np.ndarray:

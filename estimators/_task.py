@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
 from ._errors import ConfigError, ModelFileError
-from ._shapes import POLICIES, PlannedBatch, ShapeProfile, fill_items, planned_batch, profile_shapes, worst_items
+from ._shapes import (POLICIES, PlannedBatch, ShapeProfile, fill_items, largest_items, planned_batch, profile_shapes,
+                      worst_items)
 
 __all__ = ["Task", "load_task", "default_loss", "default_logits_and_targets", "default_optimizer"]
 
@@ -221,6 +222,8 @@ class Task:
         planned = self.planned(like or batch_size)
         if planned is None:
             indices = [(offset + i) % n for i in range(batch_size)]
+        elif not self.shapes().collate_pads and self.shape_policy == "max":
+            indices = largest_items(self.shapes(), batch_size)
         else:
             indices = list(planned.items[:batch_size])
             indices += fill_items(self.shapes(), planned, batch_size - len(indices), offset)

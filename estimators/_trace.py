@@ -118,7 +118,9 @@ class Trace:
     batch_offset: int = 0
     """Where a real run's batches started (``run_steps``' ``batch_offset``)."""
     draws: int | None = None
-    """Real batches a data-dependent model's estimate was taken over (the fullest kept)."""
+    """Real batches a data-dependent model's estimate was taken over."""
+    fullest_peak: int | None = None
+    """The peak of the fullest of those real runs (this trace may bound them all)."""
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
     one device with accumulation >= 2; see ``estimators._steady.drop_second_micro``)."""
