@@ -425,7 +425,7 @@ class Estimator:
             at = next((i for i, n in enumerate(notes) if n.startswith("communication ")), len(notes))
             notes.insert(at, note)
         return replace(estimate, step_time_s=seconds,
-                       samples_per_s=estimate.config.global_batch / seconds if seconds > 0 else None,
+                       samples_per_s=_throughput(estimate.config, seconds, estimate.batch_shapes),
                        notes=tuple(notes))
 
     def _step_seconds(self, parts: StepTimeParts, fixed: float) -> tuple[float, str | None]:
@@ -810,7 +810,7 @@ class Estimator:
         assert self.spec is not None or not cuda
         return Estimate(
             step_time_s=seconds,
-            samples_per_s=config.global_batch / seconds if seconds > 0 else None,
+            samples_per_s=_throughput(config, seconds, batch_shapes),
             config=config,
             device=self.device,
             gpu=self.spec.name if self.spec else None,
@@ -843,11 +843,21 @@ class Estimator:
                        source=profile.source, coverage=profile.coverage, per_item=per_item)
             if not profile.collate_pads:
                 out["collate"] = "does not pad to the longest item; planned from collating the planned items"
+            else:
+                out.update(padding_factor=self._padding_factor(config),
+                           order="length-grouped" if config.length_grouped else "random")
         if p.draws is not None:
             out.update(draws=p.draws[0], batch_offset=p.draws[1])
             if p.draws[2] is not None:
                 out.update(bound="each allocation at its largest over the draws", fullest_batch_peak_bytes=p.draws[2])
         return out or None
+
+    def _padding_factor(self, config: TrainConfig) -> float:
+        from ._shapes import padding_factor
+        planned = self.task.planned(config.micro_batch_size)
+        assert planned is not None
+        return padding_factor(self.task.shapes(), planned, config.micro_batch_size,
+                              config.global_batch if config.length_grouped else 0)
 
     def shape_distribution(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
         """``estimate(config)`` with the predicted peak at the median, 99th-percentile and
@@ -933,6 +943,15 @@ class _ModelFacts:
     ddp_buckets: tuple[int, ...]
 
 
+def _throughput(config: TrainConfig, seconds: float, shapes: Mapping[str, Any] | None) -> float | None:
+    """Samples per second over an epoch: ``seconds`` is the planned batch's step, and with
+    items of varying shape an average step pads to ``padding_factor`` of its volume."""
+    if seconds <= 0:
+        return None
+    factor = float((shapes or {}).get("padding_factor", 1.0)) or 1.0
+    return config.global_batch / (seconds * factor)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -947,6 +966,9 @@ def _shapes_note(shapes: Mapping[str, Any]) -> str:
                      f"item sizes from {shapes['source']}, {shapes['coverage']}")
         if "collate" in shapes:
             parts.append(f"the collate {shapes['collate']}")
+        if "padding_factor" in shapes:
+            parts.append(f"throughput at an epoch's mean batch ({shapes['order']} order): "
+                         f"{shapes['padding_factor']:.2f} of the planned batch's padded size")
     if "draws" in shapes:
         if "bound" in shapes:
             parts.append(f"shapes depend on data: every allocation at the largest it reached over {shapes['draws']} "

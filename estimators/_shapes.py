@@ -72,6 +72,12 @@ class ShapeProfile:
     def varying_dims(self) -> np.ndarray:
         return np.flatnonzero(self.sizes.min(axis=0) != self.sizes.max(axis=0)) if len(self.sizes) else np.zeros(0, int)
 
+    @property
+    def groupable(self) -> bool:
+        """Can the data be ordered by size (length-grouped batching)? Every item's size must
+        be known, and batches must pad to their largest item."""
+        return self.varying and self.collate_pads and len(self.indices) == self.n_items
+
     def describe(self) -> str:
         lo, hi = self.sizes.min(axis=0), self.sizes.max(axis=0)
         dims = self.varying_dims
@@ -212,9 +218,10 @@ def worst_items(profile: ShapeProfile, k: int) -> PlannedBatch:
     return planned
 
 
-def _simulated_batches(profile: ShapeProfile, b: int, grouped: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _simulated_batches(profile: ShapeProfile, b: int, grouped: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Padded size vectors of random batches of ``b`` known items (seeded permutations cut
-    into batches, as an epoch's sampler does), and each batch's positions into the profile."""
+    into batches, as an epoch's sampler does), and each batch's positions into the profile.
+    ``grouped``: the global batch a length-grouped order sorts by (0: a random order)."""
     m = len(profile.sizes)
     b = max(1, min(b, m))
     per_epoch = m // b
@@ -224,13 +231,13 @@ def _simulated_batches(profile: ShapeProfile, b: int, grouped: bool = False) -> 
     for _ in range(epochs):
         perm = rng.permutation(m)
         if grouped:
-            perm = grouped_order(profile.sizes, perm, b)
+            perm = grouped_order(profile.sizes, perm, grouped)
         batches.append(perm[: per_epoch * b].reshape(per_epoch, b))
     pos = np.concatenate(batches)
     return profile.sizes[pos].max(axis=1), pos
 
 
-def batch_quantiles(profile: ShapeProfile, b: int, *, grouped: bool = False) -> dict[str, PlannedBatch]:
+def batch_quantiles(profile: ShapeProfile, b: int, *, grouped: int = 0) -> dict[str, PlannedBatch]:
     """The median and 99th-percentile batch (by padded volume) of random batches of ``b``
     items, and the worst batch the loader can form (``max``)."""
     key = ("quantiles", b, grouped)
@@ -261,6 +268,17 @@ def planned_batch(profile: ShapeProfile, policy: str, b: int) -> PlannedBatch:
         return batch_quantiles(profile, b)[policy]
     from ._errors import ConfigError
     raise ConfigError(f"unknown shape policy {policy!r}; use one of {', '.join(POLICIES)}")
+
+
+def padding_factor(profile: ShapeProfile, planned: PlannedBatch, b: int, grouped: int = 0) -> float:
+    """The mean padded volume of an epoch's batches of ``b`` (random, or length-grouped by
+    global batches of ``grouped``) over the planned batch's: the share of the planned batch's
+    step time an average step takes, to first order (attention's quadratic part aside)."""
+    key = ("factor", planned.padded, b, grouped)
+    if key not in profile._cache:
+        padded, _ = _simulated_batches(profile, b, grouped)
+        profile._cache[key] = float(_volume(padded).mean() / _volume(np.asarray(planned.padded)))
+    return profile._cache[key]
 
 
 def fill_items(profile: ShapeProfile, planned: PlannedBatch, count: int, offset: int) -> list[int]:

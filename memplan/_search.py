@@ -130,6 +130,7 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
         space.checkpoint_segments, tuple(layout.key for layout in space.layouts), torch.__version__,
         # Only a non-default policy names itself, so that existing studies keep their names.
         *((task.shape_policy,) if task.shape_policy != "max" else ()),
+        *((space.grouping,) if space.grouping != (False,) else ()),
     ))
     return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -207,6 +208,8 @@ def search(
         max_segments=max_checkpoint_segments(blocks_model, task.checkpoint_blocks),
         max_micro_batch=max_micro_batch,
         layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
+        # Length-grouped batching pads less; it needs every item's size to order the data.
+        grouping=(False, True) if task.train_data is not None and task.shapes().groupable else (False,),
     )
 
     if probe_top > 0 and probe_fn is None and _can_probe(estimator, gpu) and all(
@@ -252,7 +255,9 @@ def search(
         micro = trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes))
         precision = trial.suggest_categorical("precision", list(space.precisions))
         segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
-        config = space.config(int(micro), str(precision), int(segments), str(layout))
+        grouped = (bool(trial.suggest_categorical("length_grouped", list(space.grouping)))
+                   if len(space.grouping) > 1 else False)
+        config = space.config(int(micro), str(precision), int(segments), str(layout), grouped)
         est = evaluate(config)
         need = _need(est)
         trial.set_user_attr("estimate", est.to_dict())

@@ -325,10 +325,19 @@ class _EpochBatches:
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.n_epoch = epoch_items(n, world_size)
         self.slices: list[list[int]] = []
+        self.sizes: Any = None
+        """Every item's size vector (``Task.shapes().sizes``) for a length-grouped order."""
 
     def windows(self, epoch: int, start: int) -> list[_Window]:
         """The windows of ``epoch`` from sample offset ``start`` on, with this rank's share."""
-        order = epoch_permutation(self.n, self.seed, epoch).tolist()
+        order = epoch_permutation(self.n, self.seed, epoch)
+        if self.sizes is not None:
+            # Length-grouped: the same permutation, sorted by size within mega-batches of 50
+            # global batches (the longest batch first); a pure function of (seed, epoch), so
+            # a resumed run meets the same windows.
+            from estimators._shapes import grouped_order
+            order = torch.as_tensor(grouped_order(self.sizes, order.numpy(), self.global_batch))
+        order = order.tolist()
         out: list[_Window] = []
         for begin in range(start, self.n_epoch, self.global_batch):
             chunk = order[begin:min(begin + self.global_batch, self.n_epoch)]
@@ -620,6 +629,13 @@ class Trainer:
             raise ConfigError(f"{task.name}: {self.n_train} training items cannot be shared by {self.world_size} ranks")
         self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed,
                                      global_batch=config.global_batch, rank=self.rank, world_size=self.world_size)
+        if config.length_grouped:
+            shapes = task.shapes()
+            if not shapes.groupable:
+                raise ConfigError(
+                    f"{task.name}: length-grouped batching needs every item's size and batches padded to "
+                    "their longest item; define item_sizes(dataset) in the model file, or train without it")
+            self.sampler.sizes = shapes.sizes
         # The loader's own generator: DataLoader draws its worker base seed from it at every
         # iter(); drawing from the global RNG instead would shift dropout after a resume.
         self._loader_generator = torch.Generator()
@@ -1331,6 +1347,10 @@ class Trainer:
                 f"config has {self.config.global_batch}; resume with the same micro_batch_size x "
                 "grad_accum_steps product, or use another out_dir"
             )
+        if saved.length_grouped != self.config.length_grouped:
+            raise ConfigError(
+                f"{self.checkpoint_path} was trained with length_grouped={saved.length_grouped}; resume with "
+                "the same data order (length_grouped), or use another out_dir")
         if ckpt["options"]["seed"] != self.options.seed or ckpt["n_train"] != self.n_train:
             raise ConfigError(
                 f"{self.checkpoint_path} was written with seed {ckpt['options']['seed']} and "

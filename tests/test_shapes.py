@@ -221,3 +221,43 @@ def test_trainer_records_the_largest_batch_and_its_peak(tmp_path, text_task):
     assert largest["shapes"][0][1] <= max(lengths)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["type"] == "largest_batch" for r in records)
+
+
+def test_search_chooses_length_grouped_batching_for_padded_text(text_task):
+    from memplan import search
+    plan = search(text_task, vram="4GB", device="cpu", probe_top=0, trials=200, storage="sqlite:///:memory:")
+    assert plan.config.length_grouped
+    twin = next(e for e in plan.entries if e.config == plan.config.replace(length_grouped=False))
+    # The same memory (the worst batch is the same), more samples per second.
+    assert twin.peak_bytes == plan.best.peak_bytes and plan.best.samples_per_s > twin.samples_per_s
+    assert "length-grouped" in plan.config.describe()
+
+
+def test_length_grouped_order_pads_less_and_resumes_exactly(tmp_path, text_task):
+    from memplan import TrainOptions, train
+    from memplan._trainer import _EpochBatches
+    small = dataclasses.replace(text_task, train_data=lambda: Subset(text_task.dataset(), range(128)), _cache={})
+    lengths = torch.tensor([len(small.dataset()[i][0]) for i in range(128)])
+    padded = {}
+    for grouped in (False, True):
+        sampler = _EpochBatches(128, 8, 0, global_batch=16)
+        sampler.sizes = small.shapes().sizes if grouped else None
+        windows = sampler.windows(0, 0)
+        micro = [m for w in windows for m in w.micro_indices]
+        assert sorted(i for m in micro for i in m) == list(range(128))  # every item once
+        padded[grouped] = sum(int(lengths[m].max()) * len(m) for m in micro)
+        if grouped:
+            assert int(lengths[windows[0].micro_indices[0]].max()) == int(lengths.max())  # worst batch first
+    assert padded[True] < 0.8 * padded[False]
+
+    config = TrainConfig(micro_batch_size=8, grad_accum_steps=2, length_grouped=True)
+    common = dict(schedule="constant", warmup_steps=0, seed=3, progress=False)
+    full = train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "full", **common))
+    train(small, config, TrainOptions(max_steps=3, out_dir=tmp_path / "part", **common))
+    resumed = train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "part", resume=True, **common))
+    assert resumed.summary["resumed_from_step"] == 3
+    a, b = torch.load(tmp_path / "part" / "model.pt"), torch.load(tmp_path / "full" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="length_grouped"):
+        train(small, config.replace(length_grouped=False),
+              TrainOptions(max_steps=8, out_dir=tmp_path / "part", resume=True, **common))
