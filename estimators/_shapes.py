@@ -252,7 +252,7 @@ def batch_quantiles(profile: ShapeProfile, b: int, *, grouped: int = 0) -> dict[
         members = pos[row]
         # The members that set the padded size: the longest in each dimension.
         setters = sorted({int(members[int(np.argmax(profile.sizes[members, d]))])
-                          for d in range(profile.sizes.shape[1])} or {int(members[0])})
+                          for d in profile.varying_dims.tolist()} or {int(members[0])})
         items = tuple(int(profile.indices[j]) for j in setters[: b])
         out[label] = PlannedBatch(label, items, tuple(int(x) for x in padded[row]))
     out["max"] = worst_items(profile, b)

@@ -252,7 +252,7 @@ def test_length_grouped_order_pads_less_and_resumes_exactly(tmp_path, text_task)
 
     config = TrainConfig(micro_batch_size=8, grad_accum_steps=2, length_grouped=True)
     common = dict(schedule="constant", warmup_steps=0, seed=3, progress=False)
-    full = train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "full", **common))
+    train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "full", **common))
     train(small, config, TrainOptions(max_steps=3, out_dir=tmp_path / "part", **common))
     resumed = train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "part", resume=True, **common))
     assert resumed.summary["resumed_from_step"] == 3
