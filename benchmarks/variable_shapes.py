@@ -29,7 +29,7 @@ CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("varlen_text", (4, 16), "fp32"),
     ("varlen_text", (16,), "bf16-mixed"),
     ("multisize_images", (1, 4, 16), "fp32"),
-    ("moe_dynamic", (8, 16), "fp32"),
+    ("moe_dynamic", (8,), "fp32"),
 )
 SECTION = "## Variable-shape data"
 CASE_TIMEOUT_S = 900

@@ -60,6 +60,12 @@ DATA_DEPENDENT_DRAWS = 4
 """Real two-step runs (disjoint batches) a model with data-dependent shapes is measured on;
 its estimate is the fullest, and says so."""
 
+DATA_DEPENDENT_CAPACITY = 1.25
+"""Allocations whose size differed between those runs (an expert's tokens, say) are held at this
+multiple of the largest seen, as a mixture-of-experts capacity factor of 1.25 bounds an
+expert's load: training moves a router, and an epoch meets batches the runs did not (on
+moe_dynamic the largest seen alone fell 0.46% below a real epoch's peak; x1.1 just above it)."""
+
 PARALLEL_TRACE_S = 1.0
 """Fake traces taking at least this long share batch-scaling anchors with a worker process."""
 
@@ -90,7 +96,10 @@ class Estimate:
     params: int
     trainable_params: int
     step_time_s: float | None = None
+    """One optimizer step at the planned batch (for items of varying shape: the worst one)."""
     samples_per_s: float | None = None
+    """Over an epoch: for items of varying shape, at the epoch's mean padded batch
+    (``batch_shapes["padding_factor"]`` of the planned one; less with ``length_grouped``)."""
     notes: tuple[str, ...] = ()
     batch_shapes: Mapping[str, Any] | None = None
     """For items of varying shape: the batch planned for (``policy``, ``padded`` sizes, the
@@ -545,7 +554,11 @@ class Estimator:
         k = int(np.argmax(peaks))
         offset, fullest = runs[k]
         if aligned:
-            bound = dataclasses.replace(first, alloc_bytes=np.max([t.alloc_bytes for _, t in runs], axis=0))
+            sizes = np.array([t.alloc_bytes for _, t in runs])
+            largest = sizes.max(axis=0)
+            varies = largest != sizes.min(axis=0)
+            largest[varies] = np.ceil(largest[varies] * DATA_DEPENDENT_CAPACITY).astype(np.int64)
+            bound = dataclasses.replace(first, alloc_bytes=largest)
         else:
             bound = fullest if not profile or k == 0 else self._real_draw(config, batch, offset, True)
         bound.batch_offset, bound.draws = offset, DATA_DEPENDENT_DRAWS * per_draw
@@ -849,7 +862,8 @@ class Estimator:
         if p.draws is not None:
             out.update(draws=p.draws[0], batch_offset=p.draws[1])
             if p.draws[2] is not None:
-                out.update(bound="each allocation at its largest over the draws", fullest_batch_peak_bytes=p.draws[2])
+                out.update(bound=f"allocations that vary between the draws at {DATA_DEPENDENT_CAPACITY}x "
+                                 "their largest", capacity=DATA_DEPENDENT_CAPACITY, fullest_batch_peak_bytes=p.draws[2])
         return out or None
 
     def _padding_factor(self, config: TrainConfig) -> float:
@@ -971,9 +985,10 @@ def _shapes_note(shapes: Mapping[str, Any]) -> str:
                          f"{shapes['padding_factor']:.2f} of the planned batch's padded size")
     if "draws" in shapes:
         if "bound" in shapes:
-            parts.append(f"shapes depend on data: every allocation at the largest it reached over {shapes['draws']} "
-                         f"real batches (the fullest one, from item {shapes['batch_offset']}, needs "
-                         f"{_mib(shapes['fullest_batch_peak_bytes'])}); batches beyond these may need more")
+            parts.append(f"shapes depend on data: over {shapes['draws']} real batches, every allocation at the "
+                         f"largest it reached, those that varied at {shapes['capacity']}x that (a capacity factor); "
+                         f"the fullest batch, from item {shapes['batch_offset']}, needs "
+                         f"{_mib(shapes['fullest_batch_peak_bytes'])}; a router more skewed than that may need more")
         else:
             parts.append(f"shapes depend on data: the fullest of {shapes['draws']} real batches "
                          f"(from item {shapes['batch_offset']}); other batches may need more")

@@ -90,7 +90,7 @@ def test_routing_model_states_the_batches_it_took_the_worst_of():
     assert est.method == "measured-cpu"
     shapes = est.batch_shapes
     assert shapes["draws"] == 8  # 4 runs of 2 steps
-    assert any("largest it reached over 8 real batches" in n for n in est.notes)
+    assert any("over 8 real batches, every allocation at the largest" in n for n in est.notes)
     # The fullest real batch, predicted, against a real run on that very batch.
     torch.manual_seed(0)  # the runs' initial weights
     named = measure_cpu_peak(task, config, batch_offset=shapes["batch_offset"]).peak_bytes
