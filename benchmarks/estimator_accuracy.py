@@ -13,6 +13,11 @@ first estimate and a further batch size, with the process's max RSS as proof tha
 of the model's size was allocated.
 
     python benchmarks/estimator_accuracy.py [--quick | --full] [--models a,b] [--out FILE]
+    python benchmarks/estimator_accuracy.py --shapes     # the variable-shape cases alone
+
+Data of varying shape (padded text, images of several sizes, data-dependent routing) is
+measured by ``benchmarks/variable_shapes.py``: the report's "Variable-shape data" section,
+which ``--shapes`` rewrites in place, leaving the rest of the report as it is.
 
 The default grid per model: micro-batch 5, 16, 48 (5, 16, 24 for the models whose real runs
 are slow) over four (precision, accumulation, checkpointing) shapes — a half fraction of the
@@ -309,10 +314,10 @@ def run_speed() -> dict[str, Any]:
 # Driver
 # ---------------------------------------------------------------------------------------
 
-def _child(args: list[str], timeout: float) -> tuple[list[dict[str, Any]], str]:
-    """Run this file with ``args``; relay its progress (stderr, less kineto's chatter) and
-    collect the JSON lines it prints on stdout. Returns (objects, why it failed or "")."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+def _child(args: list[str], timeout: float, script: Path | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Run this file (or ``script``) with ``args``; relay its progress (stderr, less kineto's
+    chatter) and collect the JSON lines it prints on stdout. Returns (objects, why it failed or "")."""
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     tail: list[str] = []
     objs: list[dict[str, Any]] = []
@@ -376,7 +381,24 @@ def assemble(objs: list[dict[str, Any]], why: str, wall_s: float) -> dict[str, A
 
 
 def model_paths() -> list[Path]:
-    return [*sorted(MODEL_DIR.glob("*.py")), *EXAMPLES]
+    from variable_shapes import case_paths
+    shaped = set(case_paths()) - {"moe_dynamic"}  # measured in the variable-shape section only
+    return [*(p for p in sorted(MODEL_DIR.glob("*.py")) if p.stem not in shaped), *EXAMPLES]
+
+
+def run_shape_cases(command: str) -> str:
+    """The variable-shape section: each model of ``variable_shapes.CASES`` in its own subprocess."""
+    from variable_shapes import CASE_TIMEOUT_S, case_paths, render as render_shapes
+    script = ROOT / "benchmarks" / "variable_shapes.py"
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for name in case_paths():
+        log(f"== variable shapes: {name}")
+        objs, why = _child([name], CASE_TIMEOUT_S, script=script)
+        rows.extend(objs)
+        if why:
+            failures.append(f"{name}: {why}")
+    return render_shapes(rows, failures, command=command)
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -628,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="Markdown report to write")
     ap.add_argument("--model-timeout", type=float, default=MODEL_TIMEOUT_S,
                     help=f"seconds one model's subprocess may run (default {MODEL_TIMEOUT_S})")
+    ap.add_argument("--shapes", action="store_true",
+                    help="run the variable-shape cases alone and replace their section of --out")
     ap.add_argument("--one", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--speed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -640,6 +664,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    if args.shapes:
+        from variable_shapes import replace_section
+        out = Path(args.out)
+        section = run_shape_cases(command)
+        out.write_text(replace_section(out.read_text() if out.exists() else "", section))
+        log(f"== wrote the variable-shape section of {out}")
+        return 0
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
     paths = model_paths()
@@ -675,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     grid_name = "quick" if args.quick else "full" if args.full else "default"
     text = render(results, failures, speed, speed_error, command=command, wall_s=wall, grid_name=grid_name,
                   load=(load_start, os.getloadavg()[0]))
+    if wanted is None:
+        text = text.rstrip("\n") + "\n\n" + run_shape_cases(command)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

@@ -16,6 +16,7 @@ model (``max_memory_reserved``), with the cuBLAS workspace added as its own allo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -58,6 +59,16 @@ CUDA_ANCHORS = (1, 2, 3)
 batch 1 is an anchor and needs no trace of its own. A model that cannot train at batch 1
 (BatchNorm refuses it) or shapes it differently falls back to ``ANCHORS``."""
 
+DATA_DEPENDENT_DRAWS = 4
+"""Real two-step runs (disjoint batches) a model with data-dependent shapes is measured on;
+its estimate is the fullest, and says so."""
+
+DATA_DEPENDENT_CAPACITY = 1.25
+"""Allocations whose size differed between those runs (an expert's tokens, say) are held at this
+multiple of the largest seen, as a mixture-of-experts capacity factor of 1.25 bounds an
+expert's load: training moves a router, and an epoch meets batches the runs did not (on
+moe_dynamic the largest seen alone fell 0.46% below a real epoch's peak; x1.1 just above it)."""
+
 PARALLEL_TRACE_S = 1.0
 """Fake traces taking at least this long share batch-scaling anchors with a worker process."""
 
@@ -88,8 +99,17 @@ class Estimate:
     params: int
     trainable_params: int
     step_time_s: float | None = None
+    """One optimizer step at the planned batch (for items of varying shape: the worst one)."""
     samples_per_s: float | None = None
+    """Over an epoch: for items of varying shape, at the epoch's mean padded batch
+    (``batch_shapes["padding_factor"]`` of the planned one; less with ``length_grouped``)."""
     notes: tuple[str, ...] = ()
+    batch_shapes: Mapping[str, Any] | None = None
+    """For items of varying shape: the batch planned for (``policy``, ``padded`` sizes, the
+    ``items`` that set them), where the sizes came from (``source``, ``coverage``), and, when
+    asked (``Estimator.shape_distribution``), the predicted peak at the ``median``, ``p99``
+    and ``max`` batch. For data-dependent models: the real batches the worst was taken over
+    (``draws``, ``batch_offset`` of the worst). None for fixed-shape data."""
     time_parts: Mapping[str, float] | None = None
     """A prediction's step time before calibration, in the parts probes refit: ``overhead``
     (per-op fixed cost), the roofline work per op dtype (``float32``, ``bfloat16``, …), and
@@ -182,6 +202,9 @@ class _Prepared:
     workspaces: tuple[np.ndarray, WorkspaceFit, list[Source | None]] | None = None
     """The kernel workspaces' allocations and where the fit has each: batch scaling sizes
     them from the fit, since a workspace is not affine in the batch size."""
+    draws: tuple[int, int, int | None] | None = None
+    """(real batches, batch offset of the fullest, its peak or None) of a data-dependent
+    model's real runs (see ``Estimator._worst_real_trace``)."""
 
     def op_costs(self) -> OpCosts:
         if self.costs is None:
@@ -195,8 +218,10 @@ class Estimator:
     Thread-safe for concurrent ``estimate`` calls (a lock serialises tracing).
     """
 
-    def __init__(self, task: Task, *, device: str | None = None, gpu: str | None = None) -> None:
-        self.task = task
+    def __init__(self, task: Task, *, device: str | None = None, gpu: str | None = None,
+                 shape_policy: str | None = None) -> None:
+        self.task = task.with_shape_policy(shape_policy) if shape_policy is not None else task
+        self._shape_estimators: dict[str, Estimator] = {}
         self.device, self.spec = resolve_target(device, gpu)
         self._prepared: dict[tuple[Any, int], _Prepared] = {}
         self._scaling: dict[Any, _Scaling | None] = {}
@@ -294,8 +319,8 @@ class Estimator:
                 else:
                     fake[(key, a)] = (config, a)
             fitted = reference_config(config) or config
-            if self.device == "cpu" and fit_key(fitted) not in fits:
-                fits.add(fit_key(fitted))
+            if self.device == "cpu" and self._fit_key(fitted) not in fits:
+                fits.add(self._fit_key(fitted))
                 local.append(("workspace", fitted, 0))
             if self.device == "cpu" and fitted is not config:
                 # The small run that checks the borrowed fit: on the most blocks recomputed.
@@ -429,7 +454,7 @@ class Estimator:
             at = next((i for i, n in enumerate(notes) if n.startswith("communication ")), len(notes))
             notes.insert(at, note)
         return replace(estimate, step_time_s=seconds,
-                       samples_per_s=estimate.config.global_batch / seconds if seconds > 0 else None,
+                       samples_per_s=_throughput(estimate.config, seconds, estimate.batch_shapes),
                        notes=tuple(notes))
 
     def _step_seconds(self, parts: StepTimeParts, fixed: float) -> tuple[float, str | None]:
@@ -463,11 +488,19 @@ class Estimator:
             )
 
     # -- traces -------------------------------------------------------------------------
-    @staticmethod
-    def _shape_key(config: TrainConfig) -> tuple[Any, ...]:
+    def _shape_key(self, config: TrainConfig) -> tuple[Any, ...]:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
+        # With items of varying shape, the items that set the planned batch's padded size.
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
-                config.strategy, config.world_size)
+                config.strategy, config.world_size, self._planned_key(config))
+
+    def _planned_key(self, config: TrainConfig) -> tuple[Any, ...] | None:
+        planned = self.task.planned(config.micro_batch_size)
+        return planned.key() if planned is not None else None
+
+    def _fit_key(self, config: TrainConfig) -> tuple[Any, ...]:
+        """Workspaces are fitted at the planned batch's padded size: kernels' scratch follows it."""
+        return (*fit_key(config), self._planned_key(config))
 
     def _trace(self, config: TrainConfig, batch: int) -> _Prepared:
         key = (self._shape_key(config), batch)
@@ -516,8 +549,50 @@ class Estimator:
                 return trace
             except DataDependentShapes:
                 self._data_dependent = True
-        return trace_step(self.task, config, batch_size=batch, real=True, profile=self.device == "cpu",
-                          target=self.device, capability=self._capability())
+        return self._worst_real_trace(config, batch)
+
+    def _worst_real_trace(self, config: TrainConfig, batch: int) -> Trace:
+        """Shapes that depend on data values (routing, ``nonzero``) differ from batch to batch,
+        and drift as training moves a router: real runs on ``DATA_DEPENDENT_DRAWS`` disjoint
+        sets of batches, and the estimate holds every allocation at the largest it reached in
+        any of them (when the runs share one sequence of allocations; else the fullest run).
+        Only the first run is profiled for kernel scratch (a second, of the fullest, when the
+        runs do not line up)."""
+        micro = min(config.grad_accum_steps, 2)
+        per_draw = 2 * micro  # batches of a two-step run
+        profile = self.device == "cpu"
+        runs: list[tuple[int, Trace]] = []
+        for draw in range(DATA_DEPENDENT_DRAWS):
+            offset = draw * (per_draw + micro) * batch
+            runs.append((offset, self._real_draw(config, batch, offset, profile and draw == 0)))
+        first = runs[0][1]
+        aligned = all(t.same_structure(first) for _, t in runs[1:])
+        if aligned:
+            # Every run measured with the first one's kernel scratch (the ops line up).
+            peaks = [_trace_peak(dataclasses.replace(first, alloc_bytes=t.alloc_bytes)) for _, t in runs]
+        else:
+            peaks = [_trace_peak(t) for _, t in runs]
+        k = int(np.argmax(peaks))
+        offset, fullest = runs[k]
+        if aligned:
+            sizes = np.array([t.alloc_bytes for _, t in runs])
+            largest = sizes.max(axis=0)
+            varies = largest != sizes.min(axis=0)
+            largest[varies] = np.ceil(largest[varies] * DATA_DEPENDENT_CAPACITY).astype(np.int64)
+            bound = dataclasses.replace(first, alloc_bytes=largest)
+        else:
+            bound = fullest if not profile or k == 0 else self._real_draw(config, batch, offset, True)
+        bound.batch_offset, bound.draws = offset, DATA_DEPENDENT_DRAWS * per_draw
+        bound.fullest_peak = int(peaks[k]) if aligned else None
+        return bound
+
+    def _real_draw(self, config: TrainConfig, batch: int, offset: int, profile: bool) -> Trace:
+        # The same initial weights for every draw (and every estimate): only the batches
+        # differ, and the caller's random stream is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return trace_step(self.task, config, batch_size=batch, real=True, profile=profile,
+                              target=self.device, capability=self._capability(), batch_offset=offset)
 
     def _workspaces(self, trace: Trace) -> tuple[list[int] | None, str | None, _WorkspaceModel | None]:
         """Per-op CPU workspace bytes for ``trace``: measured directly when the trace was a
@@ -529,7 +604,7 @@ class Estimator:
         if trace.op_workspace is not None:
             return trace.op_workspace, None, None
         reference = reference_config(trace.config)
-        if reference is not None and fit_key(trace.config) not in self._workspace_fits:
+        if reference is not None and self._fit_key(trace.config) not in self._workspace_fits:
             borrowed = self._workspace_fit(reference)
             sources = borrowed_sources(trace, borrowed) if borrowed is not None else None
             if sources is not None and self._borrow_holds(trace.config):
@@ -544,7 +619,7 @@ class Estimator:
         return workspaces_at(fit, sources, trace.batch_size), None, (fit, sources)
 
     def _workspace_fit(self, config: TrainConfig) -> WorkspaceFit | None:
-        key = fit_key(config)
+        key = self._fit_key(config)
         with self._lock:
             if key not in self._workspace_fits:
                 self._workspace_fits[key] = measure_fit(self.task, config)
@@ -626,6 +701,7 @@ class Estimator:
             ops=trace.ops,
             host_allocs=trace.host_allocs,
             workspaces=None if model is None else (np.asarray(op_alloc, dtype=np.int64), *model),
+            draws=(trace.draws, trace.batch_offset, trace.fullest_peak) if trace.draws else None,
         )
 
     def _events(self, config: TrainConfig, *, exact: bool = False) -> tuple[_Prepared, str]:
@@ -771,6 +847,9 @@ class Estimator:
         breakdown = {Category(i).label: int(round(v)) for i, v in enumerate(by_cat)}
         reserved = None
         notes = list(p.notes)
+        batch_shapes = self._batch_shapes(config, p)
+        if batch_shapes is not None:
+            notes.append(_shapes_note(batch_shapes))
         if cuda:
             reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign)
         params, trainable = self._param_counts()
@@ -787,7 +866,7 @@ class Estimator:
         assert self.spec is not None or not cuda
         return Estimate(
             step_time_s=seconds,
-            samples_per_s=config.global_batch / seconds if seconds > 0 else None,
+            samples_per_s=_throughput(config, seconds, batch_shapes),
             config=config,
             device=self.device,
             gpu=self.spec.name if self.spec else None,
@@ -803,7 +882,65 @@ class Estimator:
             trainable_params=trainable,
             notes=tuple(notes),
             time_parts={"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed},
+            batch_shapes=batch_shapes,
         )
+
+    def _batch_shapes(self, config: TrainConfig, p: _Prepared) -> dict[str, Any] | None:
+        """What ``Estimate.batch_shapes`` says of the batch this estimate was made for."""
+        planned = self.task.planned(config.micro_batch_size)
+        out: dict[str, Any] = {}
+        if planned is not None:
+            profile = self.task.shapes()
+            dims = profile.varying_dims
+            per_item = profile.sizes.shape[1]
+            out.update(policy=self.task.shape_policy, items=list(planned.items),
+                       padded=[planned.padded[i] for i in dims], dims=[int(i) for i in dims],
+                       item_max=[int(profile.sizes[:, i].max()) for i in dims],
+                       source=profile.source, coverage=profile.coverage, per_item=per_item)
+            if not profile.collate_pads:
+                out["collate"] = "does not pad to the longest item; planned from collating the planned items"
+            else:
+                out.update(padding_factor=self._padding_factor(config),
+                           order="length-grouped" if config.length_grouped else "random")
+        if p.draws is not None:
+            out.update(draws=p.draws[0], batch_offset=p.draws[1])
+            if p.draws[2] is not None:
+                out.update(bound=f"allocations that vary between the draws at {DATA_DEPENDENT_CAPACITY}x "
+                                 "their largest", capacity=DATA_DEPENDENT_CAPACITY, fullest_batch_peak_bytes=p.draws[2])
+        return out or None
+
+    def _padding_factor(self, config: TrainConfig) -> float:
+        from ._shapes import padding_factor
+        planned = self.task.planned(config.micro_batch_size)
+        assert planned is not None
+        return padding_factor(self.task.shapes(), planned, config.micro_batch_size,
+                              config.global_batch if config.length_grouped else 0)
+
+    def shape_distribution(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
+        """``estimate(config)`` with the predicted peak at the median, 99th-percentile and
+        worst batch of varying-shape data added to ``batch_shapes`` (each an exact trace of
+        its own; the same estimate for fixed-shape data)."""
+        est = self.estimate(config, exact=exact)
+        if est.batch_shapes is None or "policy" not in est.batch_shapes:
+            return est
+        shapes = dict(est.batch_shapes)
+        for label in ("median", "p99", "max"):
+            if label == self.task.shape_policy:
+                other = est
+            else:
+                sub = self._shape_estimators.get(label)
+                if sub is None:
+                    sub = self._shape_estimators[label] = Estimator(
+                        self.task.with_shape_policy(label), device=self.device,
+                        gpu=self.spec.name if self.spec is not None else None)
+                other = sub.estimate(config, exact=True)
+            assert other.batch_shapes is not None
+            shapes[label] = {"padded": list(other.batch_shapes["padded"]), "items": list(other.batch_shapes["items"]),
+                             "peak_bytes": other.peak_bytes}
+        notes = [*est.notes, "peak at the median / p99 / max batch: " + " / ".join(
+            f"{_mib(shapes[k]['peak_bytes'])} ({', '.join(map(str, shapes[k]['padded']))})"
+            for k in ("median", "p99", "max"))]
+        return replace(est, batch_shapes=shapes, notes=tuple(notes))
 
     def _comm_time(self, config: TrainConfig, p: _Prepared) -> CommTime | None:
         """Collectives of one optimizer step and the part backward and forward do not hide."""
@@ -863,6 +1000,55 @@ class _ModelFacts:
     ddp_buckets: tuple[int, ...]
 
 
+def _throughput(config: TrainConfig, seconds: float, shapes: Mapping[str, Any] | None) -> float | None:
+    """Samples per second over an epoch: ``seconds`` is the planned batch's step, and with
+    items of varying shape an average step pads to ``padding_factor`` of its volume."""
+    if seconds <= 0:
+        return None
+    factor = float((shapes or {}).get("padding_factor", 1.0)) or 1.0
+    return config.global_batch / (seconds * factor)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _shapes_note(shapes: Mapping[str, Any]) -> str:
+    parts = []
+    if "policy" in shapes:
+        what = ("the worst batch the loader can form" if shapes["policy"] == "max"
+                else f"the {shapes['policy']} batch of an epoch")
+        parts.append(f"batch shapes: planned for {what}, padded to sizes ({', '.join(map(str, shapes['padded']))}) "
+                     f"(items {', '.join(map(str, shapes['items'][:4]))}{', …' if len(shapes['items']) > 4 else ''}); "
+                     f"item sizes from {shapes['source']}, {shapes['coverage']}")
+        if "collate" in shapes:
+            parts.append(f"the collate {shapes['collate']}")
+        if "padding_factor" in shapes:
+            parts.append(f"throughput at an epoch's mean batch ({shapes['order']} order): "
+                         f"{shapes['padding_factor']:.2f} of the planned batch's padded size")
+    if "draws" in shapes:
+        if "bound" in shapes:
+            parts.append(f"shapes depend on data: over {shapes['draws']} real batches, every allocation at the "
+                         f"largest it reached, those that varied at {shapes['capacity']}x that (a capacity factor); "
+                         f"the fullest batch, from item {shapes['batch_offset']}, needs "
+                         f"{_mib(shapes['fullest_batch_peak_bytes'])}; a router more skewed than that may need more")
+        else:
+            parts.append(f"shapes depend on data: the fullest of {shapes['draws']} real batches "
+                         f"(from item {shapes['batch_offset']}); other batches may need more")
+    return "; ".join(parts)
+
+
+def _trace_peak(trace: Trace) -> int:
+    """A trace's peak: tensors alive, plus the largest kernel scratch measured during an op."""
+    signed = trace.alloc_bytes[trace.event_alloc] * trace.event_sign.astype(np.int64)
+    running = np.concatenate([[0], np.cumsum(signed)])
+    peak = int(running.max())
+    if trace.op_workspace is not None and trace.op_positions:
+        pos = np.minimum(np.asarray(trace.op_positions, dtype=np.int64), len(running) - 1)
+        peak = max(peak, int((running[pos] + np.asarray(trace.op_workspace, dtype=np.int64)).max()))
+    return peak
+
+
 def _aligned(traces: list[_Prepared]) -> bool:
     first = traces[0]
     return all(
@@ -910,10 +1096,14 @@ def estimate(
     checkpoint: int = 0,
     device: str | None = None,
     gpu: str | None = None,
+    shape_policy: str = "max",
 ) -> Estimate:
     """Predict the peak memory of training ``model`` with one configuration.
 
-    ``model`` is a model-file path or a :class:`Task`.
+    ``model`` is a model-file path or a :class:`Task`. When the dataset's items vary in shape
+    the estimate is for the batch ``shape_policy`` names (``max``: the worst the loader can
+    form; ``p99``: the 99th percentile of an epoch's), and ``batch_shapes`` gives the peak at
+    the median, p99 and max batch.
 
     >>> est = estimate("examples/digits.py", batch_size=64)     # doctest: +SKIP
     >>> est.peak_allocated_bytes                                 # doctest: +SKIP
@@ -923,5 +1113,5 @@ def estimate(
     task = load_task(model) if isinstance(model, str) else model
     config = TrainConfig(micro_batch_size=batch_size, grad_accum_steps=accum,
                          precision=normalize_precision(precision), checkpoint_segments=checkpoint)
-    return Estimator(task, device=device, gpu=gpu).estimate(config, exact=True)
+    return Estimator(task, device=device, gpu=gpu, shape_policy=shape_policy).shape_distribution(config)
 

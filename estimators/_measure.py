@@ -32,7 +32,7 @@ from ._config import TrainConfig
 from ._task import Task
 from ._trace import run_steps
 
-__all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_distributed_peaks", "storage_bytes"]
+__all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_epoch_peak", "measure_distributed_peaks", "storage_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +112,13 @@ def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int,
     return peak, level
 
 
-def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None) -> CpuMeasurement:
+def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None,
+                     batch_offset: int = 0) -> CpuMeasurement:
     """Run ``steps`` real optimizer steps on the CPU and return the allocator's peak.
+
+    The batches are those the estimate is made for (``Task.real_batch``: the planned batch of
+    varying-shape data); ``batch_offset`` starts them elsewhere (the draw a data-dependent
+    model's estimate names in ``Estimate.batch_shapes``).
 
     ``ddp``/``fsdp`` configurations need an initialised default process group (see
     :func:`measure_distributed_peaks`); the model is then built and wrapped, as the trainer
@@ -130,7 +135,8 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
             _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
             model = _parallel.parallelize(model, config, finder=task.checkpoint_blocks)
             with torch.profiler.record_function(_STEPS_MARK):
-                run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+                run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps,
+                      batch_offset=batch_offset)
         peak, level = _allocation_levels(prof, from_mark=_STEPS_MARK)
         return CpuMeasurement(peak_bytes=peak, baseline_bytes=level)
     if model is None:
@@ -139,9 +145,46 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
     _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])
     with _profiled() as prof:
-        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps)
+        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps,
+                      batch_offset=batch_offset)
     peak, _ = _allocation_levels(prof)
     return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline)
+
+
+def measure_epoch_peak(task: Task, config: TrainConfig, *, seed: int = 0) -> tuple[CpuMeasurement, int]:
+    """The allocator's peak over one real epoch of ``config`` on the CPU: the dataset in a
+    seeded random order (``torch.randperm``, as ``DistributedSampler`` draws it), cut into
+    windows of ``config.global_batch`` items and those into micro-batches, each collated by
+    the task's collate and stepped as the trainer steps it. What a plan made for varying
+    shapes must never fall below. Returns the measurement and the number of micro-batches."""
+    from . import _precision
+
+    data = task.dataset()
+    if data is None or config.strategy != "single":
+        raise ValueError("measure_epoch_peak needs a dataset and a one-device configuration")
+    n = len(data)  # type: ignore[arg-type]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+    model.train()
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    baseline = storage_bytes([*model.parameters(), *model.buffers()])
+    micro_batches = 0
+    with _profiled() as prof:
+        optimizer = task.make_optimizer(model)
+        scaler = _precision.make_grad_scaler(config.precision, "cpu")
+        for start in range(0, n - config.global_batch + 1, config.global_batch):
+            window = order[start:start + config.global_batch]
+            for k in range(0, len(window), config.micro_batch_size):
+                batch = task.collate([data[i] for i in window[k:k + config.micro_batch_size]])
+                with _precision.forward_context(config.precision, "cpu"):
+                    loss = task.compute_loss(model, batch) / config.grad_accum_steps
+                _precision.backward(loss, scaler)
+                del loss, batch
+                micro_batches += 1
+            _precision.optimizer_step(optimizer, scaler)
+            optimizer.zero_grad(set_to_none=True)
+    peak, _ = _allocation_levels(prof)
+    return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline), micro_batches
 
 
 def _free_port() -> int:

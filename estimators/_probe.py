@@ -228,7 +228,9 @@ def _task_payload(task_ref: Task | str | os.PathLike[str]) -> dict[str, Any]:
             settings = pickle.loads(pickle.dumps(dict(task_ref.settings)))
         except Exception:  # noqa: BLE001 - unpicklable settings: the file's own are used
             settings = None
-        return {"path": task_ref.source_path, "settings": settings, "name": task_ref.name}
+        # The item shapes found here travel along: the child does not scan the data again.
+        return {"path": task_ref.source_path, "settings": settings, "name": task_ref.name,
+                "shape_policy": task_ref.shape_policy, "shapes": task_ref._cache.get("shapes")}
     try:
         import cloudpickle
     except ImportError as exc:  # pragma: no cover - cloudpickle comes with optuna
@@ -932,7 +934,9 @@ def _load(spec: dict[str, Any]) -> Task:
         task = load_task(spec["path"])
         if spec.get("settings") is not None:
             task = dataclasses.replace(task, settings=dict(spec["settings"]))
-        return task
+        if spec.get("shapes") is not None:
+            task._cache["shapes"] = spec["shapes"]
+        return task.with_shape_policy(spec.get("shape_policy") or "max")
     return pickle.loads(spec["blob"])
 
 

@@ -14,6 +14,8 @@ A model file is a plain Python file; memplan imports it and looks up:
                                             ``ReduceLROnPlateau``: once per evaluation) instead
                                             of its built-in warm-up + cosine
 ``checkpoint_blocks(model) -> [Module]``    optional; the blocks checkpoint segments refer to
+``item_sizes(dataset) -> [int | tuple]``    optional; per item, the sizes that vary (a length,
+                                            ``(H, W)``), so that no item is read to find them
 ``settings``                                optional dict: global_batch, epochs, max_steps, lr,
                                             weight_decay, warmup_steps, target, …
 
@@ -28,17 +30,20 @@ import importlib.util
 import itertools
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
-from ._errors import ModelFileError
+from ._errors import ConfigError, ModelFileError
+from ._shapes import (POLICIES, PlannedBatch, ShapeProfile, fill_items, largest_items, planned_batch, profile_shapes,
+                      worst_items)
 
 __all__ = ["Task", "load_task", "default_loss", "default_logits_and_targets", "default_optimizer"]
 
@@ -109,6 +114,11 @@ class Task:
     source_hash: str | None = None
     prebuilt: nn.Module | None = None
     """The user's own module (``from_module``); never mutated by memplan."""
+    item_sizes: Callable[[Dataset], Sequence[Any]] | None = None
+    """Per item of the dataset, the sizes that vary (see ``estimators._shapes``)."""
+    shape_policy: str = "max"
+    """Which batch estimates are made for when items vary in shape: ``max``, the worst the
+    loader can form; ``p99``, the 99th percentile of an epoch's; ``median`` (for reports)."""
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
     """The loaded dataset and batch template: loaded once per task, dropped with it."""
 
@@ -189,8 +199,33 @@ class Task:
         except TypeError:
             return None
 
-    def real_batch(self, batch_size: int, *, offset: int = 0) -> Batch:
-        """A real batch of ``batch_size`` items (dataset items cycled from ``offset``)."""
+    def shapes(self) -> ShapeProfile:
+        """The sizes of the dataset's items (found once per task; see ``estimators._shapes``)."""
+        return _cached_shapes(self)
+
+    def with_shape_policy(self, policy: str) -> Task:
+        """This task planning for another batch of varying-shape data (``max``, ``p99``,
+        ``median``); the loaded dataset and its shapes are shared, not loaded again."""
+        if policy not in (*POLICIES, "median"):
+            raise ConfigError(f"unknown shape policy {policy!r}; use one of {', '.join(POLICIES)}")
+        if policy == self.shape_policy:
+            return self
+        shared = {k: self._cache[k] for k in ("dataset", "shapes") if k in self._cache}
+        task = replace(self, shape_policy=policy, _cache=shared)
+        return task
+
+    def planned(self, like: int) -> PlannedBatch | None:
+        """The batch of ``like`` items this task's estimates are made for; None when every
+        batch of that size has one shape."""
+        profile = self.shapes()
+        if not profile.varying:
+            return None
+        return planned_batch(profile, self.shape_policy, like)
+
+    def real_batch(self, batch_size: int, *, offset: int = 0, like: int | None = None) -> Batch:
+        """A real batch of ``batch_size`` items (dataset items cycled from ``offset``). When
+        items vary in shape, the batch planned for micro-batches of ``like`` (default
+        ``batch_size``): its longest items, then items no larger cycled from ``offset``."""
         if self.sample_fn is not None and self.train_data is None:
             return self.sample_fn(batch_size)
         data = self.dataset()
@@ -199,7 +234,17 @@ class Task:
         n = len(data)  # type: ignore[arg-type]
         if n == 0:
             raise ModelFileError(f"{self.name}: train_data() is empty; it must hold at least one item")
-        items = [data[(offset + i) % n] for i in range(batch_size)]
+        planned = self.planned(like or batch_size)
+        if planned is None:
+            indices = [(offset + i) % n for i in range(batch_size)]
+        elif not self.shapes().collate_pads and self.shape_policy == "max":
+            indices = largest_items(self.shapes(), batch_size)
+        else:
+            indices = list(planned.items[:batch_size])
+            indices += fill_items(self.shapes(), planned, batch_size - len(indices), offset)
+        return self._collate([data[i] for i in indices])
+
+    def _collate(self, items: list[Any]) -> Batch:
         try:
             return self.collate(items)
         except Exception as exc:  # noqa: BLE001 - the user's data, reported with the fix
@@ -208,20 +253,84 @@ class Task:
                 "make items the same shape or define collate(items) in the model file"
             ) from None
 
-    def batch_template(self) -> Batch:
-        """A real batch of one item: the structure, dtypes and per-item shapes of a batch."""
-        return _cached_template(self)
+    def batch_template(self, like: int | None = None) -> Batch:
+        """A real batch with the structure, dtypes and per-item shapes of a batch: one item
+        (the first) when every batch has one shape, else the items that set the padded size
+        of the batch planned for micro-batches of ``like``."""
+        planned = self.planned(like or 1)
+        if planned is None:
+            return _cached_template(self)
+        key = ("template", planned.key())
+        if key not in self._cache:
+            self._cache[key] = self.real_batch(len(planned.items), like=like or 1)
+        return self._cache[key]
 
-    def fake_batch(self, batch_size: int) -> Batch:
+    def fake_batch(self, batch_size: int, *, like: int | None = None) -> Batch:
         """A batch of ``batch_size`` with the template's structure, made by the active
-        (fake) mode: no real memory, no values."""
+        (fake) mode: no real memory, no values. ``like``: see :meth:`real_batch`."""
+        planned = self.planned(like or batch_size)
+        if planned is not None and not self.shapes().collate_pads:
+            # The collate does not pad to the longest item: its output for the planned
+            # items themselves is the only shape to trust.
+            key = ("collated", batch_size, like or batch_size, self.shape_policy)
+            if key not in self._cache:
+                shapes = tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
+                                  self.real_batch(batch_size, like=like or batch_size))
+                self._cache[key] = shapes
+            return tree_map(lambda x: torch.empty(x[0], dtype=x[1]) if _is_spec(x) else x, self._cache[key],
+                            is_leaf=_is_spec)
+        template = self.batch_template(like or batch_size) if planned is not None else self.batch_template()
+
         def grow(leaf: Any) -> Any:
             if isinstance(leaf, torch.Tensor):
                 if leaf.dim() == 0:
                     return torch.empty((), dtype=leaf.dtype)
                 return torch.empty((batch_size, *leaf.shape[1:]), dtype=leaf.dtype)
             return leaf
-        return tree_map(grow, self.batch_template())
+        return tree_map(grow, template)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+
+
+def _cached_shapes(task: Task) -> ShapeProfile:
+    if "shapes" not in task._cache:
+        data = task.dataset()
+        if data is None:
+            profile = ShapeProfile(0, np.zeros(0, np.int64), np.zeros((0, 0), np.int64), "sample", "a sample batch",
+                                   varying=False)
+        else:
+            profile = profile_shapes(data, item_sizes=task.item_sizes, name=task.name)
+            if profile.varying:
+                profile = _check_collate(task, data, profile)
+        task._cache["shapes"] = profile
+    return task._cache["shapes"]
+
+
+def _check_collate(task: Task, data: Any, profile: ShapeProfile) -> ShapeProfile:
+    """Call the collate on the extreme items: the longest together, and with the shortest
+    added. Padding to the longest item keeps the per-item shape and grows the leading
+    dimension by one; a collate padding every batch to one length makes the data
+    fixed-shape; any other growth (packing, say) is planned from collating the planned items
+    themselves (``collate_pads=False``)."""
+    top = worst_items(profile, len(profile.sizes))
+    small = int(profile.indices[int(np.argmin(np.prod(np.maximum(profile.sizes, 1).astype(float), axis=1)))])
+    longest = [data[i] for i in top.items]
+    k = len(longest)
+    a = _leaf_shapes(task._collate(longest))
+    b = _leaf_shapes(task._collate([*longest, data[small]]))
+    c = _leaf_shapes(task._collate([data[small]]))
+    batched = [i for i, s in enumerate(a) if len(s) > 0]
+    pads = len(a) == len(b) and all(len(b[i]) == len(a[i]) and b[i][0] == k + 1 and b[i][1:] == a[i][1:]
+                                    and a[i][0] == k for i in batched)
+    if pads and len(c) == len(a) and all(c[i][1:] == a[i][1:] for i in batched):
+        return replace(profile, varying=False, source=profile.source + "; the collate pads every batch to one shape")
+    return profile if pads else replace(profile, collate_pads=False)
+
+
+def _leaf_shapes(batch: Batch) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in _leaves(batch) if isinstance(x, torch.Tensor)]
 
 
 def _as_factory(data: Callable[[], Dataset] | Dataset | None) -> Callable[[], Dataset] | None:
@@ -355,6 +464,7 @@ def load_task(path: str | Path) -> Task:
     scheduler = need_callable("scheduler", False,
                               "scheduler(optimizer, total_steps) -> torch.optim.lr_scheduler.LRScheduler")
     blocks = need_callable("checkpoint_blocks", False, "checkpoint_blocks(model) -> list[nn.Module]")
+    sizes = need_callable("item_sizes", False, "item_sizes(dataset) -> list[int | tuple[int, ...]]")
     settings = getattr(module, "settings", {}) or {}
     if not isinstance(settings, Mapping):
         raise ModelFileError(f"{p.name}: settings must be a dict, got {type(settings).__name__}")
@@ -380,6 +490,7 @@ def load_task(path: str | Path) -> Task:
         collate=collate or default_collate,  # type: ignore[arg-type]
         build_scheduler=scheduler,  # type: ignore[arg-type]
         checkpoint_blocks=blocks,  # type: ignore[arg-type]
+        item_sizes=sizes,  # type: ignore[arg-type]
         settings=dict(settings),
         source_path=str(p.resolve()),
         source_hash=_file_hash(p),

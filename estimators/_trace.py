@@ -117,6 +117,12 @@ class Trace:
     ``torch.utils.checkpoint`` saves per checkpointed block)."""
     notes: tuple[str, ...] = ()
     """Assumptions the trace made (CUDA kernels modelled on CPU tensors), for the estimate."""
+    batch_offset: int = 0
+    """Where a real run's batches started (``run_steps``' ``batch_offset``)."""
+    draws: int | None = None
+    """Real batches a data-dependent model's estimate was taken over."""
+    fullest_peak: int | None = None
+    """The peak of the fullest of those real runs (this trace may bound them all)."""
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
     one device with accumulation >= 2; see ``estimators._steady.drop_second_micro``)."""
@@ -418,6 +424,7 @@ def trace_step(
     derive_real: bool = False,
     target: str = "cpu",
     capability: tuple[int, int] | None = None,
+    batch_offset: int = 0,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -447,17 +454,19 @@ def trace_step(
     # Datasets load before any mode is active: their tensors must be real, not fake, and
     # their loading is not part of the step.
     task.batch_template()
+    if not real:
+        task.fake_batch(b, like=config.micro_batch_size)  # the planned items, collated outside fake mode
     ranks = (_distributed.simulated_ranks(config.world_size) if config.strategy != "single"
              else contextlib.nullcontext())
     with ranks:
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
                            synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
-                           cuda=target == "cuda", capability=capability)
+                           cuda=target == "cuda", capability=capability, batch_offset=batch_offset)
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
                 synthesize: bool, foreach: bool, cuda: bool = False,
-                capability: tuple[int, int] | None = None) -> Trace:
+                capability: tuple[int, int] | None = None, batch_offset: int = 0) -> Trace:
     # One device on fake tensors: trace one step and derive the later ones (see _steady).
     derive = synthesize and config.strategy == "single" and steps == 2
     traced_steps = 1 if derive else steps
@@ -497,7 +506,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 semantics = stack.enter_context(
                     _precision.trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
                 run_steps(task, config, model, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
-                          foreach=foreach)
+                          foreach=foreach, batch_offset=batch_offset)
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -734,8 +743,13 @@ def run_steps(
     hooks: StepHooks | None = None,
     device: str = "cpu",
     foreach: bool = False,
+    batch_offset: int = 0,
 ) -> None:
     """The training steps that are traced and measured — the trainer's step, in miniature.
+
+    Batches are those the task plans for (``Task.real_batch`` with ``like`` the
+    configuration's micro-batch size: the longest items together when items vary in shape);
+    ``batch_offset`` moves a real run to other items (another draw of a data-dependent model).
 
     Each micro-batch's batch is created at the start of its forward and dropped after its
     backward, as the trainer does.
@@ -752,11 +766,12 @@ def run_steps(
             hooks.phase(f"{tag} forward")
             hooks.making_batch(True)
             if real:
-                batch = task.real_batch(batch_size, offset=(step * micro_steps + micro) * batch_size)
+                batch = task.real_batch(batch_size, offset=batch_offset + (step * micro_steps + micro) * batch_size,
+                                        like=config.micro_batch_size)
                 if device != "cpu":
                     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
             else:
-                batch = task.fake_batch(batch_size)
+                batch = task.fake_batch(batch_size, like=config.micro_batch_size)
             hooks.making_batch(False)
             hooks.batch(batch)
             # Gradients are reduced across ranks on the last micro-batch of a window only.

@@ -87,6 +87,7 @@ def fit(
     checkpoint_segments: Sequence[int] | None = None,
     options: TrainOptions | None = None,
     launch: LaunchSpec | None = None,
+    shape_policy: str = "max",
     **option_values: Any,
 ) -> tuple[Plan, TrainResult | None]:
     """Search the configurations of ``model`` under ``vram``, then train the best one.
@@ -117,7 +118,7 @@ def fit(
     plan = resumed_plan(opts.out_dir) if opts.resume else None
     if plan is None:
         plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
-                      probe_top=probe_top, seed=seed, storage=storage, precisions=precisions,
+                      probe_top=probe_top, seed=seed, storage=storage, precisions=precisions, shape_policy=shape_policy,
                       micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments,
                       **layout_kwargs(launch))
     opts = replace(opts, device=plan.device, seed=seed)

@@ -52,6 +52,7 @@ SEARCH_KEYS: dict[str, str] = {
     "checkpoint": "checkpoint segments searched, e.g. \"0,2\"",
     "micro_batch": "micro-batch sizes searched, e.g. \"8,16\"",
     "strategy": "strategies searched: single, ddp, fsdp",
+    "shape_policy": "items of varying shape: plan for the \"max\" (default) or \"p99\" batch",
     "out": "output folder",
 }
 """Config-file keys of the search and of the run itself (not ``TrainOptions`` fields)."""

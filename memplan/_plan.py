@@ -145,9 +145,11 @@ class Plan:
         above = next((e for e in self.entries if e.config == current), self.best)
         rungs: list[PlanEntry] = []
         limit = above.peak_bytes
-        # Same global batch, and the same processes: the ranks of a run cannot change.
+        # Same global batch, and the same processes: the ranks of a run cannot change; the same
+        # data order, so that a resumed run meets the same batches.
         candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current
-                      and e.config.strategy == current.strategy and e.config.world_size == current.world_size]
+                      and e.config.strategy == current.strategy and e.config.world_size == current.world_size
+                      and e.config.length_grouped == current.length_grouped]
         while True:
             lower = [e for e in candidates if e.peak_bytes < limit and e not in rungs]
             if not lower:

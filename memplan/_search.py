@@ -139,6 +139,9 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
         task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
         budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
         space.checkpoint_segments, tuple(layout.key for layout in space.layouts), torch.__version__,
+        # Only a non-default policy names itself, so that existing studies keep their names.
+        *((task.shape_policy,) if task.shape_policy != "max" else ()),
+        *((space.grouping,) if space.grouping != (False,) else ()),
     ))
     return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -170,6 +173,7 @@ def search(
     nodes: int = 1,
     strategies: Sequence[str] | None = None,
     plot: str | os.PathLike[str] | None = None,
+    shape_policy: str = "max",
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -190,6 +194,10 @@ def search(
 
     ``plot`` writes every trial's predicted peak against samples/s to that image file
     (``memplan[plots]``) and stores the figure as user attributes of the study.
+    ``shape_policy``: when the dataset's items vary in shape, every configuration is estimated
+    (and probed) at the largest padded batch the data loader can form at its micro-batch size
+    (``"max"``), or at the 99th percentile of an epoch's batches (``"p99"``: a rarer, larger
+    batch is left to OOM recovery). Fixed-shape data is unaffected.
 
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
     alone the best are probed, and probes that overturn the prediction are confirmed by
@@ -203,7 +211,7 @@ def search(
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
-    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data)
+    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data).with_shape_policy(shape_policy)
     estimator = estimator_for(task, device=device, gpu=gpu)
     if vram is None:
         budget, _source = default_budget(estimator)
@@ -223,6 +231,8 @@ def search(
         layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
         micro_batch_sizes=tuple(micro_batch_sizes) if micro_batch_sizes else None,
         checkpoint_segments=tuple(checkpoint_segments) if checkpoint_segments is not None else None,
+        # Length-grouped batching pads less; it needs every item's size to order the data.
+        grouping=(False, True) if task.train_data is not None and task.shapes().groupable else (False,),
     )
     _refuse_from_lower_bound(task, blocks_model, space, budget, limit, estimator)
 
@@ -276,7 +286,9 @@ def search(
         micro = trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes))
         precision = trial.suggest_categorical("precision", list(space.precisions))
         segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
-        config = space.config(int(micro), str(precision), int(segments), str(layout))
+        grouped = (bool(trial.suggest_categorical("length_grouped", list(space.grouping)))
+                   if len(space.grouping) > 1 else False)
+        config = space.config(int(micro), str(precision), int(segments), str(layout), grouped)
         est = evaluate(config)
         if est is None:
             # A configuration that cannot be traced is a completed, infeasible trial (as an OOM

@@ -39,6 +39,8 @@ class SearchSpace:
     """Fixed global batch (micro × accumulation × world); None means the batch is searched."""
     layouts: tuple[Layout, ...] = (Layout(),)
     """Strategies × world sizes searched; every micro-batch size is valid for each of them."""
+    grouping: tuple[bool, ...] = (False,)
+    """Length-grouped batching searched ``(False, True)`` when items vary in shape."""
 
     @property
     def world_size(self) -> int:
@@ -52,7 +54,8 @@ class SearchSpace:
     def layout(self, key: str) -> Layout:
         return next(layout for layout in self.layouts if layout.key == key)
 
-    def config(self, micro: int, precision: str, segments: int, layout: Layout | str | None = None) -> TrainConfig:
+    def config(self, micro: int, precision: str, segments: int, layout: Layout | str | None = None,
+               grouped: bool = False) -> TrainConfig:
         if layout is None:
             layout = self.layouts[0]
         elif isinstance(layout, str):
@@ -61,18 +64,20 @@ class SearchSpace:
             micro_batch_size=micro, grad_accum_steps=self.accum_for(micro, layout.world_size),
             precision=precision, checkpoint_segments=segments,
             strategy=layout.strategy, world_size=layout.world_size, nodes=layout.nodes,
+            length_grouped=grouped,
         )
 
     def __len__(self) -> int:
         return (len(self.micro_batch_sizes) * len(self.precisions) * len(self.checkpoint_segments)
-                * len(self.layouts))
+                * len(self.layouts) * len(self.grouping))
 
     def __iter__(self) -> Iterator[TrainConfig]:
         for layout in self.layouts:
             for m in self.micro_batch_sizes:
                 for p in self.precisions:
                     for s in self.checkpoint_segments:
-                        yield self.config(m, p, s, layout)
+                        for g in self.grouping:
+                            yield self.config(m, p, s, layout, g)
 
     def smallest(self) -> list[TrainConfig]:
         """Corners most likely to need the least memory (the nearest miss when nothing fits):
@@ -106,6 +111,7 @@ def build_space(
     layouts: tuple[Layout, ...] = (Layout(),),
     micro_batch_sizes: tuple[int, ...] | None = None,
     checkpoint_segments: tuple[int, ...] | None = None,
+    grouping: tuple[bool, ...] = (False,),
 ) -> SearchSpace:
     """The space; ``micro_batch_sizes`` and ``checkpoint_segments`` pin or restrict those axes
     (each value must be one the space could hold: a divisor of the per-rank global batch, a
@@ -151,7 +157,7 @@ def build_space(
             raise ConfigError(f"--checkpoint {','.join(map(str, bad))} is more segments than the model's "
                               f"{max_segments} blocks; choose from 0..{max_segments}")
         segments = tuple(sorted(set(checkpoint_segments)))
-    return SearchSpace(tuple(micros), precisions, segments, global_batch, layouts)
+    return SearchSpace(tuple(micros), precisions, segments, global_batch, layouts, grouping)
 
 
 def layouts_for(gpus: int = 1, nodes: int = 1, strategies: tuple[Strategy, ...] | None = None) -> tuple[Layout, ...]:

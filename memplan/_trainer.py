@@ -531,10 +531,19 @@ class _EpochBatches:
             # Whole windows only: the permutation's tail after the last full global batch rests.
             self.n_epoch -= self.n_epoch % global_batch
         self.slices: list[list[int]] = []
+        self.sizes: Any = None
+        """Every item's size vector (``Task.shapes().sizes``) for a length-grouped order."""
 
     def windows(self, epoch: int, start: int) -> list[_Window]:
         """The windows of ``epoch`` from sample offset ``start`` on, with this rank's share."""
-        order = epoch_permutation(self.n, self.seed, epoch).tolist()
+        order = epoch_permutation(self.n, self.seed, epoch)
+        if self.sizes is not None:
+            # Length-grouped: the same permutation, sorted by size within mega-batches of 50
+            # global batches (the longest batch first); a pure function of (seed, epoch), so
+            # a resumed run meets the same windows.
+            from estimators._shapes import grouped_order
+            order = torch.as_tensor(grouped_order(self.sizes, order.numpy(), self.global_batch))
+        order = order.tolist()
         out: list[_Window] = []
         for begin in range(start, self.n_epoch, self.global_batch):
             chunk = order[begin:min(begin + self.global_batch, self.n_epoch)]
@@ -602,6 +611,8 @@ class _WindowOutcome:
     """fp16: the GradScaler found inf/NaN gradients and skipped the step (normal early on)."""
     grad_norm: float | None = None
     seconds: float = 0.0
+    largest_batch: tuple[int, list[list[int]]] | None = None
+    """(tensor elements, tensor shapes) of the window's largest micro-batch."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -726,6 +737,8 @@ class Trainer:
         self._recovering = ladder is not None  # without a ladder an OOM propagates
         self._optimizer_undo: Any = None
         self._peak_floor: int | None = None
+        self.largest_batch: dict[str, Any] | None = None
+        """The largest micro-batch met (step, elements, shapes) and its step's peak."""
         self.recoveries: list[dict[str, Any]] = []
         self._tried: list[TrainConfig] = [config]
         self._phase = "setup"
@@ -840,6 +853,13 @@ class Trainer:
             raise ConfigError(
                 f"TrainOptions.drop_last leaves no step: {task.name} has {self.n_train} training items, fewer than "
                 f"one global batch of {config.global_batch}; set drop_last=False or use a smaller global batch")
+        if config.length_grouped:
+            shapes = task.shapes()
+            if not shapes.groupable:
+                raise ConfigError(
+                    f"{task.name}: length-grouped batching needs every item's size and batches padded to "
+                    "their longest item; define item_sizes(dataset) in the model file, or train without it")
+            self.sampler.sizes = shapes.sizes
         # The loader's own generator: DataLoader draws its worker base seed from it at every
         # iter(); drawing from the global RNG instead would shift dropout after a resume.
         self._loader_generator = torch.Generator()
@@ -1050,8 +1070,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # a no-op normally; makes a replay start clean
         window_loss: torch.Tensor | None = None
         last = len(window.micro_indices) - 1
+        largest: tuple[int, list[list[int]]] | None = None
         for k, (indices, batch) in enumerate(zip(window.micro_indices, batches)):
             batch = self._to_device(batch)
+            size = _batch_size_of(batch)
+            if largest is None or size[0] > largest[0]:
+                largest = size
             # Weight each micro-batch by its share of the window's samples (this rank's), so that
             # the summed gradients are those of the mean loss over the whole window -- the large
             # batch's gradient exactly, also for a short last window or a short last micro-batch.
@@ -1112,7 +1136,7 @@ class Trainer:
         self._optimizer_undo = None
         self.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next backward
         return _WindowOutcome(loss_value, applied=applied, scaler_skipped=not applied,
-                              grad_norm=grad_norm, seconds=time.perf_counter() - t0)
+                              grad_norm=grad_norm, seconds=time.perf_counter() - t0, largest_batch=largest)
 
     # -- out-of-memory recovery ------------------------------------------------------------
     def _set_phase(self, phase: str) -> None:
@@ -1133,6 +1157,7 @@ class Trainer:
             # Every rank draws its own dropout masks, and a relaunched replay draws the same ones.
             _seed_torch(_window_seed(self.options.seed, self.step, self.rank))
         if not self._recovering:
+            self._reset_window_peak()  # so that the largest batch's step has its own peak
             return self._run_window(window, batches, self.config)
         # Undo state for a replay: buffers that forward updates in place (BatchNorm statistics)
         # and the RNG that dropout draws from, so that a replay sees what the first try saw.
@@ -1302,6 +1327,7 @@ class Trainer:
             if outcome.scaler_skipped:
                 self.scaler_skipped_steps += 1
 
+        self._note_largest_batch(outcome)
         samples_per_s = window.global_items / outcome.seconds if outcome.seconds > 0 else None
         self._throughput.append((window.global_items, outcome.seconds))
         record: dict[str, Any] = {
@@ -1338,6 +1364,25 @@ class Trainer:
         return TrainingError(
             f"loss was NaN/inf for {self.consecutive_nonfinite} consecutive steps at step {self.step}; {fix}; {where}"
         )
+
+    def _note_largest_batch(self, outcome: _WindowOutcome) -> None:
+        """Keep the largest micro-batch met so far (by tensor elements: padded items vary) and
+        the peak of the step it was in, for the summary: how close the plan came."""
+        if outcome.largest_batch is None:
+            return
+        elements, shapes = outcome.largest_batch
+        if self.largest_batch is not None and elements <= self.largest_batch["elements"]:
+            return
+        self.largest_batch = {"step": self.step, "elements": elements, "shapes": shapes,
+                              "peak_memory_bytes": self._window_peak()}
+        self._log({"type": "largest_batch", **self.largest_batch})
+
+    def _window_peak(self) -> int | None:
+        """The peak since the window started (``_reset_window_peak``), without the run's floor."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        value = getattr(self.memory_guard, "peak_bytes", None)
+        return int(value) if value is not None else None
 
     def _due(self, every: int | None, epoch_ended: bool) -> bool:
         return epoch_ended if every is None else self.step % every == 0
@@ -1588,6 +1633,10 @@ class Trainer:
                 f"config has {self.config.global_batch}; resume with the same micro_batch_size x "
                 "grad_accum_steps product, or use another out_dir"
             )
+        if saved.length_grouped != self.config.length_grouped:
+            raise ConfigError(
+                f"{self.checkpoint_path} was trained with length_grouped={saved.length_grouped}; resume with "
+                "the same data order (length_grouped), or use another out_dir")
         if ckpt["options"]["seed"] != self.options.seed or ckpt["n_train"] != self.n_train:
             raise ConfigError(
                 f"{self.checkpoint_path} was written with seed {ckpt['options']['seed']} and "
@@ -1770,6 +1819,7 @@ class Trainer:
             "peak_memory_bytes": peak,
             "predicted_peak_bytes": predicted,
             "peak_over_predicted": peak / predicted if peak and predicted else None,
+            "largest_batch": self.largest_batch,
             "model_path": str(self.model_path),
             "checkpoint_path": str(self.checkpoint_path),
             "metrics_path": str(self.metrics_path),
@@ -1886,6 +1936,13 @@ def _clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold:
 def _logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """The default loss's view of a batch (one definition, shared with the estimator)."""
     return default_logits_and_targets(model, batch)
+
+
+def _batch_size_of(batch: Batch) -> tuple[int, list[list[int]]]:
+    """(tensor elements, tensor shapes) of a batch."""
+    from torch.utils._pytree import tree_flatten
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return sum(t.numel() for t in tensors), [list(t.shape) for t in tensors]
 
 
 def _batch_len(batch: Batch) -> int:

@@ -66,12 +66,13 @@ class EstimateCommand:
         p.add_argument("--plot", default=None, help="draw the predicted memory timeline to this image (memplan[plots])")
         p.add_argument("--snapshot", default=None, help="write the timeline as a torch.cuda.memory._snapshot() pickle")
         p.add_argument("--vram", default=None, help="budget line drawn on --plot (default: the --gpu card's memory)")
+        _add_shape_policy(p)
 
     def run(self, args: argparse.Namespace) -> int:
         config = _config_from(args)
         task = load_task(args.model)
-        estimator = Estimator(task, device=args.device, gpu=args.gpu)
-        est = estimator.estimate(config, exact=True)
+        estimator = Estimator(task, device=args.device, gpu=args.gpu, shape_policy=args.shape_policy)
+        est = estimator.shape_distribution(config, exact=True)
         if args.plot or args.snapshot:
             from ._timeline_out import write_timeline_outputs
             for line in write_timeline_outputs(estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram):
@@ -116,6 +117,12 @@ class ProbeCommand:
         return 0 if result.status == "ok" else 1
 
 
+def _add_shape_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape-policy", choices=["max", "p99"], default="max",
+                   help="items of varying shape: plan for the worst batch the loader can form (max, default) "
+                        "or the 99th percentile of an epoch's batches (p99; rarer ones are left to OOM recovery)")
+
+
 def _add_search_args(p: argparse.ArgumentParser) -> None:
     _add_common_args(p)
     p.add_argument("--config", default=None, help="a TOML file of options (memplan init writes one); flags override it")
@@ -130,6 +137,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
     p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
+    _add_shape_policy(p)
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -187,7 +195,7 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
         trials=parse_count(args.trials, what="--trials"),
         probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
         seed=parse_count(args.seed, what="--seed", minimum=0),
-        storage=args.storage,
+        storage=args.storage, shape_policy=args.shape_policy,
     )
 
 
