@@ -225,23 +225,34 @@ def train_data():
 '''
 
 
-def test_cli_train_recovers_when_the_saved_plan_no_longer_fits(tmp_path: Path, capsys: Any) -> None:
+def _wide_plan(tmp_path: Path) -> tuple[Path, Any]:
+    """The wide model file and its plan for 4 GB (a ladder of smaller micro-batches)."""
     import memplan
-    import memplan.cli
 
     path = tmp_path / "wide.py"
     path.write_text(textwrap.dedent(MODEL_FILE))
     plan = memplan.search(str(path), vram="4GB", global_batch=64, device="cpu", probe_top=0, trials=16,
                           precisions=["fp32"], seed=0)
+    plan.save(tmp_path / "plan.json")
+    return path, plan
+
+
+def _train_under(tmp_path: Path, path: Path, vram: int, steps: int, capsys: Any) -> dict[str, Any]:
+    import memplan.cli
+
+    out = tmp_path / "run"
+    code = memplan.cli.main(["train", str(path), "--plan", str(tmp_path / "plan.json"), "--vram", str(vram),
+                             "--max-steps", str(steps), "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_cli_train_recovers_when_the_saved_plan_no_longer_fits(tmp_path: Path, capsys: Any) -> None:
+    path, plan = _wide_plan(tmp_path)
     ladder = plan.ladder()
     assert ladder, plan.table()
     vram = (plan.best.peak_bytes + ladder[-1].peak_bytes) // 2
-    plan.save(tmp_path / "plan.json")
-    out = tmp_path / "run"
-    code = memplan.cli.main(["train", str(path), "--plan", str(tmp_path / "plan.json"), "--vram", str(vram),
-                             "--max-steps", "3", "--out", str(out), "--no-progress"])
-    assert code == 0, capsys.readouterr().err
-    summary = json.loads((out / "summary.json").read_text())
+    summary = _train_under(tmp_path, path, vram, 3, capsys)
     assert summary["steps"] == 3 and summary["recoveries"], plan.table()
     assert summary["config"] != plan.config.to_dict()
     assert TrainConfig.from_dict(summary["config"]).global_batch == plan.config.global_batch
@@ -250,23 +261,12 @@ def test_cli_train_recovers_when_the_saved_plan_no_longer_fits(tmp_path: Path, c
 def test_recovery_skips_to_the_first_rung_predicted_to_fit_the_budget(tmp_path: Path, capsys: Any) -> None:
     # A plan made for 4 GB trained under a budget that only the ladder's lower rungs are
     # predicted to fit: one OOM, then straight to the first of those, not through each above it.
-    import memplan
-    import memplan.cli
-
-    path = tmp_path / "wide.py"
-    path.write_text(textwrap.dedent(MODEL_FILE))
-    plan = memplan.search(str(path), vram="4GB", global_batch=64, device="cpu", probe_top=0, trials=16,
-                          precisions=["fp32"], seed=0)
+    path, plan = _wide_plan(tmp_path)
     ladder = plan.ladder()
     vram = int(ladder[-1].peak_bytes * 1.05)
     expected = next(i for i, e in enumerate(ladder) if e.peak_bytes <= vram)
     assert expected >= 1, plan.table()  # some rung above it is predicted not to fit
-    plan.save(tmp_path / "plan.json")
-    out = tmp_path / "run"
-    code = memplan.cli.main(["train", str(path), "--plan", str(tmp_path / "plan.json"), "--vram", str(vram),
-                             "--max-steps", "2", "--out", str(out), "--no-progress"])
-    assert code == 0, capsys.readouterr().err
-    recoveries = json.loads((out / "summary.json").read_text())["recoveries"]
+    recoveries = _train_under(tmp_path, path, vram, 2, capsys)["recoveries"]
     assert len(recoveries) == 1, recoveries
     assert recoveries[0]["to"] == ladder[expected].config.to_dict()
     assert recoveries[0]["skipped"] == [e.config.to_dict() for e in ladder[:expected]]
