@@ -169,7 +169,13 @@ def test_plan_plot_marks_infeasible_chosen_and_the_front(task, tmp_path, closing
     statuses = {p["status"] for p in points}
     assert {"feasible", "infeasible"} <= statuses
     chosen = [p for p in points if p["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["pareto"]
+    # On the front, or tied in speed with a point of it: at equal predicted speed the search
+    # ranks the simpler configuration first (fewer checkpoints), which may hold more memory.
+    assert len(chosen) == 1
+    assert chosen[0]["pareto"] or any(p["pareto"] and p["samples_per_s"] == pytest.approx(chosen[0]["samples_per_s"])
+                                      for p in points)
+    assert not any(p["status"] == "feasible" and p["samples_per_s"] > chosen[0]["samples_per_s"] * (1 + 1e-9)
+                   for p in points)
     assert chosen[0]["samples_per_s"] == pytest.approx(plan.best.samples_per_s)
     limit = plan.budget_bytes * (1 - plan.margin)
     assert all(p["peak_bytes"] > limit for p in points if p["status"] == "infeasible")
