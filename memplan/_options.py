@@ -145,7 +145,9 @@ _NONE_WORDS = ("none", "off", "null")
 
 def _from_text(spec: OptionSpec, text: str) -> Any:
     """A command-line string as the option's value (raises ValueError with what it expects)."""
-    if spec.optional and text.strip().lower() in _NONE_WORDS:
+    # For an optional switch, "off" is False, not "the default".
+    none_words = ("none", "null") if spec.kind == "bool" else _NONE_WORDS
+    if spec.optional and text.strip().lower() in none_words:
         return None
     if spec.kind == "int":
         return int(text)

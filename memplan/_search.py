@@ -766,6 +766,12 @@ def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, 
     return states // shards, params, shards
 
 
+def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) -> str:
+    """The budget (its margin kept) that ``need`` would fit in, as a fix to suggest."""
+    gb = math.ceil(need * budget / limit / 1e9)
+    return f"a card with >= {gb} GB" if estimator.device == "cuda" else f"--vram {gb}GB or more"
+
+
 def _refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, budget: int, limit: int,
                              estimator: Estimator) -> None:
     """Say at once, without a trace, that nothing fits when the model's own states do not: a
@@ -775,8 +781,7 @@ def _refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, b
     if floor <= limit:
         return
     where = f" per device over {shards} FSDP2 ranks" if shards > 1 else ""
-    need_gb = math.ceil(floor / (1 - (1 - limit / budget)) / 1e9)
-    hints = [f"a card with >= {need_gb} GB" if estimator.device == "cuda" else f"--vram {need_gb}GB or more"]
+    hints = [_more_memory_hint(floor, budget, limit, estimator)]
     devices = max(2, 2 * shards)
     hints.append(f"FSDP over {devices} devices (--gpus {devices})")
     hints.append("a smaller model, or frozen parts (no gradients)")
@@ -795,8 +800,7 @@ def _no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estim
     detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts if v > 0)
     if nearest.context_bytes:
         detail += f", CUDA context {format_size(nearest.context_bytes)}"
-    card = math.ceil(need / (1 - (1 - limit / budget)) / 1e9)
-    hints = [f"a card with >= {card} GB" if estimator.device == "cuda" else f"--vram {card}GB or more"]
+    hints = [_more_memory_hint(need, budget, limit, estimator)]
     if nearest.config.strategy == "fsdp":
         hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
     else:
