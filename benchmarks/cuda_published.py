@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators import _precision  # noqa: E402
-from estimators._trace import trace_step  # noqa: E402
+from estimators.runtime import _precision  # noqa: E402
+from estimators.tracing._trace import trace_step  # noqa: E402
 
 MIB = 2**20
 CONTEXT_MIB = 1343

@@ -4,8 +4,8 @@ For each model file, ONE ``Estimator(task, device="cpu")`` predicts the per-rank
 (allocated bytes, the CPU allocator's count) of a fixed configuration under DDP and FSDP2 at
 world sizes 1, 2, 4 and 8, each simulated in this process on a fake process group. The same
 configurations are then run for real at W = 1 and W = 2 (gloo, one process per rank, wrapped
-by ``estimators._parallel`` as the trainer wraps them) and each rank's peak is measured with
-``torch.profiler``'s allocation events (``estimators._measure``).
+by ``estimators.runtime._parallel`` as the trainer wraps them) and each rank's peak is measured with
+``torch.profiler``'s allocation events (``estimators.probing._measure``).
 
     python benchmarks/distributed_memory.py [--models a,b] [--batch N] [--out FILE]
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, format_size, load_task  # noqa: E402
-from estimators._measure import measure_distributed_peaks  # noqa: E402
+from estimators.probing._measure import measure_distributed_peaks  # noqa: E402
 
 MODELS = {
     "gpt_tied": "benchmarks/models/gpt_tied.py",

@@ -124,8 +124,8 @@ def run_one(path: str, *, quick: bool, full: bool) -> None:
     import torch
 
     from estimators import Estimator, TrainConfig, load_task
-    from estimators._checkpoint import max_checkpoint_segments
-    from estimators._measure import measure_cpu_peak
+    from estimators.runtime._checkpoint import max_checkpoint_segments
+    from estimators.probing._measure import measure_cpu_peak
 
     name = Path(path).stem
     t_start = time.perf_counter()

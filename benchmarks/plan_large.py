@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     import memplan
-    from estimators import _trace
+    from estimators.tracing import _trace
     from models_large import llama_task
 
     traces = {"n": 0, "s": 0.0}

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators._checkpoint import max_checkpoint_segments  # noqa: E402
+from estimators.runtime._checkpoint import max_checkpoint_segments  # noqa: E402
 from memplan import _search  # noqa: E402
 from memplan._space import build_space  # noqa: E402
 

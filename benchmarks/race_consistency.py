@@ -1,13 +1,13 @@
 """Race consistency: do two configurations come out in the same order every time? (CPU)
 
-The search decides between close configurations by racing them (``estimators._race``: both
+The search decides between close configurations by racing them (``estimators.probing._race``: both
 built in one probe child, their optimizer steps timed alternately). This measures how often
 each way of comparing a pair gives the same verdict, on pairs whose true gap is small:
 
-* probes: the two probed one after the other in separate processes (``estimators._probe``,
+* probes: the two probed one after the other in separate processes (``estimators.probing._probe``,
   steps=5, warmup=2, as the search probes), ABBA order; the verdict is the ratio of the two
   probes' median step times;
-* races: ``estimators._race.race`` with the search's defaults (8 rounds, 2 warm-up steps);
+* races: ``estimators.probing._race.race`` with the search's defaults (8 rounds, 2 warm-up steps);
   the verdict is the median of the rounds' ratios;
 * two processes (``--lockstep``): each configuration in a process of its own, stepped
   alternately by this script (30 rounds): time-paired like a race, but not in one process;
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import TrainConfig, load_task  # noqa: E402
-from estimators._probe import Stepper, build_for_training, prestart, probe  # noqa: E402
-from estimators._race import race  # noqa: E402
+from estimators.probing._probe import Stepper, build_for_training, prestart, probe  # noqa: E402
+from estimators.probing._race import race  # noqa: E402
 
 MODELS = ROOT / "benchmarks" / "models"
 PAIRS = [

@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimators import Task, TrainConfig  # noqa: E402
-from estimators._guard import MemoryGuard  # noqa: E402
+from estimators.runtime._guard import MemoryGuard  # noqa: E402
 from memplan._checkpoint_io import load_checkpoint  # noqa: E402
 from memplan._trainer import TrainOptions, train  # noqa: E402
 

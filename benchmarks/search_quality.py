@@ -5,7 +5,7 @@ Per model and budget:
 * search: ``memplan.search(path, vram=budget, global_batch=G, precisions=P, probe_top=2)``
   with default trials, timed (search cost; a fresh MEMPLAN_CACHE_DIR so no study resumes);
 * grid: every configuration of the same space (``memplan._space.build_space`` with the
-  arguments search uses) probed (``estimators._probe.probe``, steps=5, warmup=2) with the
+  arguments search uses) probed (``estimators.probing._probe.probe``, steps=5, warmup=2) with the
   budget enforced (``budget_bytes = budget * (1 - margin)``), timed (grid cost);
 * quality: the chosen plan's measured throughput as a % of the grid's best feasible one
   (goal >= 95%), whether its measured peak is within the budget (goal: always), and
@@ -55,9 +55,9 @@ os.environ["MEMPLAN_CACHE_DIR"] = _TMP_CACHE
 import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators._checkpoint import max_checkpoint_segments  # noqa: E402
-from estimators._probe import probe  # noqa: E402
-from estimators._race import race  # noqa: E402
+from estimators.runtime._checkpoint import max_checkpoint_segments  # noqa: E402
+from estimators.probing._probe import probe  # noqa: E402
+from estimators.probing._race import race  # noqa: E402
 from memplan import _search  # noqa: E402
 from memplan._space import build_space  # noqa: E402
 
@@ -105,7 +105,7 @@ def settle(path: Path, chosen: TrainConfig, feasible: list[TrainConfig], grid: d
     measured 35-51 ms a step, and within one process the median of 40 steps drifts by 10-24%
     over a minute. So every feasible configuration within SETTLE_WITHIN of the grid's best
     (at most SETTLE_MAX of them) is compared with the chosen plan step against step:
-    SETTLE_RACES races (``estimators._race.race``, SETTLE_ROUNDS rounds each, each race a
+    SETTLE_RACES races (``estimators.probing._race.race``, SETTLE_ROUNDS rounds each, each race a
     fresh process, alternating which of the two is built and stepped first). A race's ratio
     is the median of its rounds' step-time ratios; the rival keeps the median of its races'.
     Returns those ratios (rival's throughput / the chosen plan's; the chosen plan's is 1) and
@@ -248,7 +248,7 @@ def render(cmd: str, load_start, results, args, done: bool, skipped) -> str:
             "within budget (always); search cost / grid cost <= 20%.", "",
             f"Quality is judged on settled figures: each feasible configuration within {100 * SETTLE_WITHIN:.0f}% of the "
             f"grid's best (at most {SETTLE_MAX}) is raced against the chosen plan {SETTLE_RACES} times "
-            f"(`estimators._race`: both in one fresh process, {SETTLE_ROUNDS} rounds of one optimizer step each, "
+            f"(`estimators.probing._race`: both in one fresh process, {SETTLE_ROUNDS} rounds of one optimizer step each, "
             "alternating which goes first); a race's ratio is the median of its rounds' step-time ratios, and the "
             "rival keeps the median of its races' (their lowest and highest are shown: where they straddle 1, this "
             "referee cannot tell the two apart). Races are also how the search itself breaks close calls, so this "

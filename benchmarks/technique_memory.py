@@ -1,7 +1,7 @@
 """What the trainer's memory-relevant options cost on top of the estimate (CPU, measured).
 
 Per model, one configuration (micro-batch ``--batch``, fp32, no accumulation, no checkpointing)
-is trained for ``--steps`` optimizer steps under ``estimators._guard.MemoryGuard`` (which counts
+is trained for ``--steps`` optimizer steps under ``estimators.runtime._guard.MemoryGuard`` (which counts
 every live tensor storage, the model's and optimizer's included) once per variant:
 
 * ``clip off``  -- ``grad_clip_mode="off"``: the step the estimator traces;
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import TrainConfig, estimate, format_size, load_task  # noqa: E402
-from estimators._guard import MemoryGuard  # noqa: E402
+from estimators.runtime._guard import MemoryGuard  # noqa: E402
 from memplan._trainer import TrainOptions, train  # noqa: E402
 
 VARIANTS = {

@@ -16,13 +16,13 @@ checkpointing); each configuration's real step time is measured (see below). Rep
 
 Measurements (``--measure``):
 
-* ``probe`` (default): ``estimators._probe.probe`` per configuration (steps=5, warmup=2), the
+* ``probe`` (default): ``estimators.probing._probe.probe`` per configuration (steps=5, warmup=2), the
   median wall time of a step, as a search sees it. Use on a quiet machine.
-* ``cpu-time``: the same step (``estimators._probe.Stepper``) in this process with ONE torch
+* ``cpu-time``: the same step (``estimators.probing._probe.Stepper``) in this process with ONE torch
   thread, timed by the process's CPU time (median of 3-9 steps after 2 warm-up steps). On a
   shared machine the wall clock counts other processes' time slices; the CPU time of a
   single-threaded step barely moves with the load (cache and memory-bus sharing remain). The
-  estimator's CPU rates are then measured the same way (``estimators._timing._clock``). Probe
+  estimator's CPU rates are then measured the same way (``estimators.timing._timing._clock``). Probe
   overhead is still measured, with one short probe per model.
 
 Measurements are written to ``--save`` (default ``benchmarks/results/time_measurements.json``)
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators._timing import DeviceRates, TimeCalibration, cpu_name, cpu_rates, cpu_rates_path  # noqa: E402
+from estimators.timing._timing import DeviceRates, TimeCalibration, cpu_name, cpu_rates, cpu_rates_path  # noqa: E402
 
 MODELS = ("mlp", "cnn_bn", "gpt_tied", "vit", "frozen_backbone")
 BATCHES = (8, 32, 96)
@@ -110,8 +110,8 @@ def machine() -> dict[str, Any]:
 def measure_cpu_time(path: Path, config: TrainConfig, *, warmup: int = 2, min_steps: int = 3,
                      max_steps: int = 9, budget_s: float = 6.0) -> dict[str, Any]:
     """The probe's step, in this process, timed by CPU time (one torch thread)."""
-    from estimators import _precision
-    from estimators._probe import Stepper
+    from estimators.runtime import _precision
+    from estimators.probing._probe import Stepper
 
     task = load_task(str(path))
     torch.manual_seed(0)
@@ -136,7 +136,7 @@ def measure_cpu_time(path: Path, config: TrainConfig, *, warmup: int = 2, min_st
 
 
 def measure_probe(path: Path, config: TrainConfig, overheads: list[dict]) -> dict[str, Any]:
-    from estimators._probe import probe
+    from estimators.probing._probe import probe
 
     res = probe(str(path), config, device="cpu", steps=5, warmup=2, timeout_s=600)
     overheads.append({"model": path.stem, "config": config.describe(), "overhead_s": res.overhead_s,
@@ -148,7 +148,7 @@ def measure_probe(path: Path, config: TrainConfig, overheads: list[dict]) -> dic
 
 def probe_overhead(path: Path, config: TrainConfig, overheads: list[dict]) -> None:
     """One short probe, for its overhead only (process, task load, model build, transfer)."""
-    from estimators._probe import probe
+    from estimators.probing._probe import probe
 
     res = probe(str(path), config, device="cpu", steps=1, warmup=0, timeout_s=600)
     overheads.append({"model": path.stem, "config": config.describe(), "overhead_s": res.overhead_s,
@@ -256,7 +256,7 @@ def render(cmd: str, meta: dict, results: list[dict], overheads: list[dict], rat
         out += ["**PARTIAL: the run had not finished when this was written.**", ""]
     out += [f"Goals: Spearman >= 0.9 per model; median |error| of calibrated predictions ({meta['calibrate_on']}: "
             "2 measured configurations) on the other configurations <= 15%; probe overhead <= 3 s.", ""]
-    out += ["Model (`estimators/_timing.py`): each traced op costs a fixed per-op overhead plus "
+    out += ["Model (`estimators/timing/_timing.py`): each traced op costs a fixed per-op overhead plus "
             "max(FLOPs / its class's FLOP/s, bytes / its class's bandwidth), with rates per op class (matmul, "
             "conv, attention — forward and backward apart —, norm, activation, cast, elementwise) and dtype, "
             "measured once per machine and thread count. Calibration fits step = a * overhead + sum_d b_d * work_d "
@@ -383,7 +383,7 @@ def main() -> None:
         rates_file = cpu_rates_path().name
         measurements["rates"] = asdict(rates)
     if not args.cache:
-        from estimators._probe import prestart
+        from estimators.probing._probe import prestart
 
         # As a search does: the probe server imports torch while the traces are measured, so
         # a probe's overhead is its own (fork, task load, model build, result).

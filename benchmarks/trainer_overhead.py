@@ -16,7 +16,7 @@ hits every variant alike:
   loss, backward, ``float(loss)``, clip_grad_norm_(1.0), ``float(norm)``, a NaN/inf check of
   both, ``optimizer.step()``, zero_grad, a warm-up + cosine LambdaLR step, and one JSON line
   (step, epoch, loss, lr, samples/s, grad norm) written to a metrics file;
-* C ``trainer + guard``: A with ``memory_guard=estimators._guard.MemoryGuard(budget)``.
+* C ``trainer + guard``: A with ``memory_guard=estimators.runtime._guard.MemoryGuard(budget)``.
 
 Both A and B use ``num_workers=0`` (the trainer's default for tiny_gpt's custom Dataset
 would be 1 worker). Step time = time between consecutive step ends (data loading included);
@@ -66,7 +66,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from estimators import TrainConfig, load_task  # noqa: E402
-from estimators._guard import MemoryGuard  # noqa: E402
+from estimators.runtime._guard import MemoryGuard  # noqa: E402
 from memplan import _trainer  # noqa: E402
 from memplan._trainer import TrainOptions, train  # noqa: E402
 

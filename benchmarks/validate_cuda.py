@@ -6,7 +6,7 @@ with activation checkpointing (every block of the model's block stack), this scr
 * predicts the configuration: ``Estimator(task, gpu=...).estimate(config, exact=True)`` (a fake
   trace on CPU tensors with CUDA's kernel semantics: the same code path as ``--gpu`` planning
   on a machine without a GPU), and
-* measures it on the GPU with a probe (``estimators._probe.probe``: a child process of its own,
+* measures it on the GPU with a probe (``estimators.probing._probe.probe``: a child process of its own,
   ``max_memory_allocated`` / ``max_memory_reserved`` after ``reset_peak_memory_stats`` over the
   first two optimizer steps, the median step time of a few more),
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import Estimator, MemplanError, TrainConfig, load_task  # noqa: E402
-from estimators._checkpoint import max_checkpoint_segments  # noqa: E402
+from estimators.runtime._checkpoint import max_checkpoint_segments  # noqa: E402
 
 MIB = 2**20
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.predict_only and args.gpu is None:
         print("validate_cuda: --predict-only needs --gpu NAME (e.g. --gpu H200)", file=sys.stderr)
         return 2
-    from estimators._probe import probe, prestart, shutdown
+    from estimators.probing._probe import probe, prestart, shutdown
 
     if not args.predict_only:
         prestart()

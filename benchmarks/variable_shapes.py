@@ -48,7 +48,7 @@ def run_case(name: str) -> None:
     import torch
 
     from estimators import Estimator, TrainConfig, load_task
-    from estimators._measure import measure_cpu_peak, measure_epoch_peak
+    from estimators.probing._measure import measure_cpu_peak, measure_epoch_peak
     from estimators._shapes import ShapeProfile
 
     task = load_task(MODELS / f"{name}.py")

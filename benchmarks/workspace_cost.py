@@ -47,8 +47,8 @@ def measure_one(path: str, repeat: int) -> dict:
     """Runs in the subprocess: the timings of one model with the tree on ``sys.path``."""
     import torch
     from estimators import Estimator, TrainConfig, load_task
-    from estimators import _workspace
-    from estimators._checkpoint import max_checkpoint_segments
+    from estimators.memory import _workspace
+    from estimators.runtime._checkpoint import max_checkpoint_segments
 
     torch.set_num_threads(1)
     task = load_task(path)

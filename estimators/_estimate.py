@@ -26,19 +26,19 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from ._allocator import CachingAllocatorSim
-from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
+from .memory._allocator import CachingAllocatorSim
+from .timing._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._config import TrainConfig, normalize_precision
-from ._distributed import FsdpUnits
+from .memory._distributed import FsdpUnits
 from ._errors import ConfigError
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
-from ._timing import (
+from .timing._timing import (
     DeviceRates, OpCosts, StepTimeParts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts,
 )
-from ._trace import Category, DataDependentShapes, Trace, trace_step
-from ._trace_worker import TraceWorker, WorkerDied, worker_available
-from ._workspace import (WORKSPACE_ANCHORS, Source, WorkspaceFit, aligned_sources, borrow_holds, borrowed_sources,
+from .tracing._trace import Category, DataDependentShapes, Trace, trace_step
+from .tracing._trace_worker import TraceWorker, WorkerDied, worker_available
+from .memory._workspace import (WORKSPACE_ANCHORS, Source, WorkspaceFit, aligned_sources, borrow_holds, borrowed_sources,
                          fit_key, measure_fit, reference_config, workspaces_at)
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
@@ -977,9 +977,9 @@ class Estimator:
     def _model_facts(self) -> _ModelFacts:
         """Parameter counts, FSDP2 units and DDP buckets, from a fake copy of the model."""
         if self._facts is None:
-            from ._checkpoint import find_block_stack
-            from ._distributed import ddp_bucket_bytes, fsdp_units
-            from ._trace import _fake_mode, build_fake_model
+            from .runtime._checkpoint import find_block_stack
+            from .memory._distributed import ddp_bucket_bytes, fsdp_units
+            from .tracing._trace import _fake_mode, build_fake_model
             model = build_fake_model(self.task, _fake_mode())
             distinct = list(dict.fromkeys(model.parameters()))
             find_block_stack(model, self.task.checkpoint_blocks)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch.nn as nn
 
 from estimators import ConfigError, Task, parse_size
-from estimators._guard import MemoryGuard
+from estimators.runtime._guard import MemoryGuard
 
 from ._launch import LaunchSpec, launch_training
 from ._plan import Plan

@@ -7,7 +7,7 @@ in the process that holds the plan. It starts the ranks with torchrun's own mach
 ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-backend``); each rank
 (:func:`_rank_main`, module-level so that it pickles) initialises the process group (gloo on
 CPU, NCCL on CUDA with its local rank's device), builds the task from the model file, enforces
-the budget with a :class:`~estimators._guard.MemoryGuard` and runs the
+the budget with a :class:`~estimators.runtime._guard.MemoryGuard` and runs the
 :class:`~memplan._trainer.Trainer` with the plan's configuration.
 
 Why OOM recovery leaves the process group instead of agreeing inside it: an OOM mid-forward on
@@ -274,7 +274,7 @@ def _rank_main(job: _RankJob) -> TrainResult | None:
     import torch.distributed as dist
 
     from estimators import load_task
-    from estimators._guard import MemoryGuard
+    from estimators.runtime._guard import MemoryGuard
 
     from ._trainer import Trainer
 

@@ -25,7 +25,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from estimators import ConfigError, Task, TrainConfig, load_task, normalize_precision, parse_count
-from estimators._precision import backward, forward_context, make_grad_scaler, optimizer_step
+from estimators.runtime._precision import backward, forward_context, make_grad_scaler, optimizer_step
 
 __all__ = ["LrFindResult", "lr_find", "suggest", "add_lr_find_arguments", "run_lr_find"]
 

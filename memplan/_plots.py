@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from estimators import ConfigError, Estimate, format_size
-from estimators._trace import Category
+from estimators.tracing._trace import Category
 
 if TYPE_CHECKING:
-    from estimators._timeline import Timeline
+    from estimators.memory._timeline import Timeline
 
     from ._plan import Plan
 

@@ -1,7 +1,7 @@
 """Out-of-memory recovery: the trainer's helpers and :func:`keep_global_batch` for own loops.
 
 The rule every helper here follows (FACTS.md, "After an OOM"): catch the error by type
-(:func:`estimators._probe.is_oom_error`), keep nothing of it but its message, and recover
+(:func:`estimators.probing._probe.is_oom_error`), keep nothing of it but its message, and recover
 *outside* the ``except`` block -- while the exception is being handled its traceback keeps the
 failed step's frames, and with them its tensors, alive. Recovery then drops the references,
 runs ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``.
@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from estimators import ConfigError, TrainConfig, TrainingError
-from estimators._probe import is_oom_error
+from estimators.probing._probe import is_oom_error
 
 __all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
            "DistributedOOM", "ladder_peaks", "pick_rung"]

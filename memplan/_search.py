@@ -7,7 +7,7 @@ configuration is a *completed* infeasible trial the sampler learns from, never a
 the space is small the study enumerates it (``BruteForceSampler``), else a seeded TPE sampler
 explores it. Afterwards the best few feasible configurations are probed on the real device
 (when planning for the device at hand): the two best are raced step against step
-(``estimators._race``), a race won along one axis (micro-batch, checkpoint segments) is
+(``estimators.probing._race``), a race won along one axis (micro-batch, checkpoint segments) is
 followed a step or two further, and the winner's memory is probed; measured times refit the
 time model, an OOM marks the configuration infeasible, and the final ranking prefers
 measured figures. Where no race can run, each is probed on its own.
@@ -32,7 +32,7 @@ from estimators import (
     ConfigError, Estimate, Estimator, MemplanError, NoFeasiblePlanError, Task, TrainConfig, format_size,
     load_task, parse_size,
 )
-from estimators._checkpoint import max_checkpoint_segments
+from estimators.runtime._checkpoint import max_checkpoint_segments
 from estimators._config import Precision
 
 from ._plan import RACED_NOTE, Plan, PlanEntry, provenance
@@ -43,7 +43,7 @@ from ._study import MirroredStudy
 __all__ = ["search", "resolve_task", "estimator_for", "default_budget", "default_storage"]
 
 ProbeFn = Callable[[Task, TrainConfig, int], Any]
-# (task, (predicted best or a race's winner, its rival)) -> an estimators._race.RaceResult
+# (task, (predicted best or a race's winner, its rival)) -> an estimators.probing._race.RaceResult
 RaceFn = Callable[[Task, tuple[TrainConfig, TrainConfig]], Any]
 
 
@@ -242,7 +242,7 @@ def search(
         # waits — after the machine's rates are known: measuring them while the server's
         # import competes for the cores would cache wrong rates for good.
         estimator.rates()
-        from estimators._probe import prestart
+        from estimators.probing._probe import prestart
         prestart()
 
     cache: dict[TrainConfig, Estimate] = {}
@@ -397,8 +397,8 @@ def _probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top:
     further ``top``, each is probed (a few timed steps and its memory) in its own process.
     """
     if probe_fn is None:
-        from estimators._probe import probe as real_probe
-        from estimators._race import race as real_race
+        from estimators.probing._probe import probe as real_probe
+        from estimators.probing._race import race as real_race
 
         def probe_fn(t: Task, c: TrainConfig, budget: int) -> Any:
             return real_probe(t, c, device=estimator.device, budget_bytes=budget)
@@ -490,7 +490,7 @@ def _race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: i
     Why a race rather than a probe of each: a probe's few steps run in one fresh process,
     and on a shared machine the same configuration measures 20-40% apart from one probe to
     the next (its speed drifts over seconds), while the predicted best and its runner-up are
-    often predicted within a few percent of each other. A race (``estimators._race``) times
+    often predicted within a few percent of each other. A race (``estimators.probing._race``) times
     their steps alternately in one process, so each pair of steps sees the same machine, and
     the median ratio over the rounds decides; a tie (under ``_RACE_TIE``) keeps the
     prediction's order. Each raced configuration takes the race's median step time as its

@@ -4,8 +4,8 @@ snapshot PyTorch's memory viewer opens."""
 from __future__ import annotations
 
 from estimators import Estimator, TrainConfig, format_size, parse_size
-from estimators._snapshot import write_snapshot
-from estimators._timeline import predicted_timeline
+from estimators.memory._snapshot import write_snapshot
+from estimators.memory._timeline import predicted_timeline
 
 __all__ = ["write_timeline_outputs"]
 

@@ -5,7 +5,7 @@ Read :meth:`Trainer.run` top to bottom: set up (model, optimizer, schedule, data
 asked, then loop over *optimizer-step windows* — ``grad_accum_steps`` micro-batches and one
 optimizer step — evaluating and checkpointing at window boundaries, and finish by writing the
 weights and a summary. Everything the estimator models is applied through the same helpers it
-traces with (``estimators._precision``, ``estimators._checkpoint``), so the memory that was
+traces with (``estimators.runtime._precision``, ``estimators.runtime._checkpoint``), so the memory that was
 predicted is the memory that is used:
 
 * forward and loss under ``forward_context`` (autocast for bf16/fp16), backward through
@@ -104,8 +104,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, TrainingError, format_size
-from estimators import _checkpoint, _parallel, _precision
-from estimators._probe import is_oom_error
+from estimators.runtime import _checkpoint, _parallel, _precision
+from estimators.probing._probe import is_oom_error
 from estimators._task import default_logits_and_targets, default_loss
 
 from ._checkpoint_io import (

@@ -96,7 +96,7 @@ class ProbeCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from estimators import parse_size, resolve_target
-        from estimators._probe import probe
+        from estimators.probing._probe import probe
         config = _config_from(args)
         if args.gpu is not None:
             from estimators import ConfigError

@@ -47,5 +47,5 @@ def _no_trace_workers_left():
     """A module's estimators may leave their trace-worker processes to the garbage collector;
     the next module (the probe tests count child processes) starts without them."""
     yield
-    from estimators._trace_worker import close_all
+    from estimators.tracing._trace_worker import close_all
     close_all()

@@ -1,5 +1,5 @@
 """Tests of the caching-allocator model, each expected number worked out by hand from the rules
-of c10/cuda/CUDACachingAllocator.cpp (see the module docstring of estimators._allocator)."""
+of c10/cuda/CUDACachingAllocator.cpp (see the module docstring of estimators.memory._allocator)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from estimators import _allocator
-from estimators._allocator import (
+from estimators.memory import _allocator
+from estimators.memory._allocator import (
     AllocatorStats,
     CachingAllocatorSim,
     SimulatedOOM,

@@ -13,9 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from estimators import _sdpa
-from estimators._cuda_autocast import CUDA_POLICY, cuda_autocast_ops, cuda_autocast_policy
-from estimators._cuda_semantics import cuda_semantics
+from estimators.tracing import _sdpa
+from estimators.tracing._cuda_autocast import CUDA_POLICY, cuda_autocast_ops, cuda_autocast_policy
+from estimators.tracing._cuda_semantics import cuda_semantics
 
 LOW = "low"
 FP32 = torch.float32
@@ -280,7 +280,7 @@ def _op_bytes(trace: Any, name: str) -> list[int]:
 @pytest.mark.parametrize("precision,low", [("bf16-mixed", 2), ("fp16-mixed", 2)])
 def test_cuda_target_trace_runs_softmax_in_fp32_and_cpu_target_does_not(precision: str, low: int) -> None:
     from estimators import TrainConfig
-    from estimators._trace import trace_step
+    from estimators.tracing._trace import trace_step
 
     task, config = _task(), TrainConfig(micro_batch_size=2, precision=precision)
     cuda = trace_step(task, config, target="cuda", capability=(8, 0))
@@ -296,7 +296,7 @@ def test_cuda_target_trace_runs_softmax_in_fp32_and_cpu_target_does_not(precisio
 
 def test_a_conv_net_is_told_that_cudnn_workspaces_are_not_modelled() -> None:
     from estimators import Task, TrainConfig
-    from estimators._trace import trace_step
+    from estimators.tracing._trace import trace_step
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
     task = Task.from_module(net, lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 2, (n,))))

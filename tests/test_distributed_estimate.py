@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from estimators._checkpoint import find_block_stack
+from estimators.runtime._checkpoint import find_block_stack
 from estimators import ConfigError, Estimator, TrainConfig, load_task
-from estimators._comm import INTER_NODE_BYTES_PER_S, all_gather_s, all_reduce_s
-from estimators._measure import measure_distributed_peaks
+from estimators.timing._comm import INTER_NODE_BYTES_PER_S, all_gather_s, all_reduce_s
+from estimators.probing._measure import measure_distributed_peaks
 
 pytestmark = pytest.mark.distributed
 

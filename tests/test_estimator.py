@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from estimators import ConfigError, Estimator, ModelFileError, Task, TrainConfig, estimate
-from estimators._checkpoint import apply_checkpointing, find_block_stack, select_blocks
-from estimators._measure import measure_cpu_peak, storage_bytes
+from estimators.runtime._checkpoint import apply_checkpointing, find_block_stack, select_blocks
+from estimators.probing._measure import measure_cpu_peak, storage_bytes
 
 
 class Block(nn.Module):
@@ -255,7 +255,7 @@ def test_a_model_refusing_batch_one_anchors_at_two(monkeypatch):
 
 def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
     import estimators._estimate as est_mod
-    from estimators._trace_worker import worker_available
+    from estimators.tracing._trace_worker import worker_available
     assert worker_available()  # Linux: the path CI and users take
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)  # every model counts as large
     started = []
@@ -340,7 +340,7 @@ def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
 
 @pytest.mark.parametrize("device,gpu", [("cuda", "A100-80GB"), ("cpu", None)])
 def test_prefetched_space_estimates_as_traced_alone(device, gpu):
-    from estimators._trace_worker import worker_available
+    from estimators.tracing._trace_worker import worker_available
     assert worker_available()
     space = [TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m, precision=p, checkpoint_segments=s)
              for m in (1, 2, 4, 8) for p in ("fp32", "bf16-mixed") for s in (0, 2)]
@@ -375,7 +375,7 @@ def _count_prefetch(monkeypatch) -> tuple[list[tuple[int, int, int]], list[tuple
     """Fake traces run in this process and traces handed to the worker, as
     (accumulation, checkpoint segments, batch)."""
     import estimators._estimate as est_mod
-    from estimators._trace_worker import TraceWorker
+    from estimators.tracing._trace_worker import TraceWorker
     local, remote = [], []
     original_trace, original_submit = est_mod.trace_step, TraceWorker.submit
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from estimators import Estimator, ModelFileError, Task, TrainConfig
-from estimators._timing import DeviceRates
+from estimators.timing._timing import DeviceRates
 from memplan import Plan, search
 from memplan._failures import contrast
 from memplan._space import build_space
@@ -154,7 +154,7 @@ def test_fsdp_in_bf16_keeps_batch_norm_in_fp32_at_any_micro_batch():
 
 
 def test_a_configuration_whose_step_raises_when_probed_is_dropped_and_the_next_probed(tmp_path):
-    from estimators._probe import ProbeResult
+    from estimators.probing._probe import ProbeResult
 
     task = Task(name="mlp-run", build_model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
                 sample_fn=_sample)
@@ -181,7 +181,7 @@ def test_a_configuration_whose_step_raises_when_probed_is_dropped_and_the_next_p
 
 def test_a_probe_whose_process_died_keeps_the_configuration_unmeasured():
     # Not the configuration's fault: it stays, unmeasured, as before.
-    from estimators._probe import ProbeResult
+    from estimators.probing._probe import ProbeResult
 
     task = Task(name="mlp-died", build_model=lambda: nn.Sequential(nn.Linear(16, 4)), sample_fn=_sample)
     plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=1, precisions=["fp32"],

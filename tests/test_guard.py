@@ -1,4 +1,4 @@
-"""Tests of the CPU memory guard (estimators._guard): exact byte counts, real
+"""Tests of the CPU memory guard (estimators.runtime._guard): exact byte counts, real
 torch.OutOfMemoryError in forward and backward, nothing leaked after an OOM, OOM injection,
 and the CUDA path with torch.cuda patched."""
 
@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from estimators import _guard
+from estimators.runtime import _guard
 from estimators._errors import ConfigError
-from estimators._guard import MemoryGuard, OOMInjector
+from estimators.runtime._guard import MemoryGuard, OOMInjector
 
 KB = 1000
 

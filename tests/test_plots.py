@@ -11,9 +11,9 @@ import pytest
 import torch.cuda._memory_viz as memory_viz
 
 from estimators import ConfigError, Estimator, TrainConfig, load_task
-from estimators._snapshot import snapshot_peak, to_snapshot, write_snapshot
-from estimators._timeline import predicted_timeline
-from estimators._trace import Category
+from estimators.memory._snapshot import snapshot_peak, to_snapshot, write_snapshot
+from estimators.memory._timeline import predicted_timeline
+from estimators.tracing._trace import Category
 from memplan.cli import main
 
 MODEL = """

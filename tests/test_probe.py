@@ -1,4 +1,4 @@
-"""Tests of probes (estimators._probe): real steps in a child process, measured figures equal
+"""Tests of probes (estimators.probing._probe): real steps in a child process, measured figures equal
 to the in-process reference, and every failure — OOM, error, hang, crash — reported as a
 status, with no child process left behind."""
 
@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from estimators import ProbeError, Task, TrainConfig, load_task
 from estimators._errors import ConfigError, ModelFileError
-from estimators._measure import measure_cpu_peak
-from estimators._probe import ProbeResult, Prober, _zygote, is_oom_error, probe, shutdown
+from estimators.probing._measure import measure_cpu_peak
+from estimators.probing._probe import ProbeResult, Prober, _zygote, is_oom_error, probe, shutdown
 
 
 @pytest.fixture(autouse=True)

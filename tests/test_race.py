@@ -1,4 +1,4 @@
-"""Tests of races (estimators._race): two configurations timed step against step in one
+"""Tests of races (estimators.probing._race): two configurations timed step against step in one
 probe child, every failure a status, no process left behind."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from estimators import TrainConfig
 from estimators._errors import ConfigError
-from estimators._race import RaceResult, race
+from estimators.probing._race import RaceResult, race
 
 # The probe tests' fixtures: a 60 s bound per test, and one probe server for the module.
 from test_probe import assert_no_probe_children, probe_server, time_bound, write_model  # noqa: F401

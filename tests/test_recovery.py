@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from estimators import Task, TrainConfig, TrainingError
-from estimators._guard import MemoryGuard
+from estimators.runtime._guard import MemoryGuard
 from memplan._checkpoint_io import load_checkpoint
 from memplan._recovery import keep_global_batch, next_micro_batch
 from memplan._trainer import Trainer, TrainOptions, train

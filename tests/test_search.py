@@ -11,7 +11,7 @@ from estimators import NoFeasiblePlanError, Task, TrainConfig
 from memplan import Plan, search
 from memplan._space import build_space
 
-from estimators._timing import DeviceRates
+from estimators.timing._timing import DeviceRates
 from test_estimator import TinyLM, lm_task  # noqa: E402
 
 # One task for the module: searches of the same task share its traces, as in the product.
@@ -155,7 +155,7 @@ def test_plan_json_round_trip_and_ladder(tmp_path):
 
 
 def test_probes_rank_measured_first_and_drop_ooms():
-    from estimators._probe import ProbeResult
+    from estimators.probing._probe import ProbeResult
     calls = []
 
     def fake_probe(task, config: TrainConfig, budget: int):
@@ -314,7 +314,7 @@ def test_equal_predictions_rank_the_simpler_config_and_are_probed_once():
         from dataclasses import replace
 
         from estimators import Estimator
-        from estimators._probe import ProbeResult
+        from estimators.probing._probe import ProbeResult
         probed.append(config)
         est = Estimator(task, device="cpu").estimate(config)
         return ProbeResult(status="ok", estimate=replace(est, method="measured"), message="", overhead_s=0.0, wall_s=0.0)
@@ -339,7 +339,7 @@ def test_probes_overturning_the_prediction_are_confirmed():
     from dataclasses import replace
 
     from estimators import Estimator
-    from estimators._probe import ProbeResult
+    from estimators.probing._probe import ProbeResult
     calls: list[TrainConfig] = []
     # The second configuration measures fast once (noise), then as predicted.
     noisy_once = {"left": 1}
@@ -398,7 +398,7 @@ def test_a_kept_prediction_ranks_only_against_its_rival():
     from dataclasses import replace
 
     from estimators import Estimator
-    from estimators._probe import ProbeResult
+    from estimators.probing._probe import ProbeResult
     calls: list[TrainConfig] = []
     base: dict[str, float] = {}
 
@@ -425,7 +425,7 @@ def _measured_probe(calls: list[TrainConfig], speedup: dict[int, float]):
     from dataclasses import replace
 
     from estimators import Estimator
-    from estimators._probe import ProbeResult
+    from estimators.probing._probe import ProbeResult
 
     def fake_probe(task, config: TrainConfig, budget: int):
         calls.append(config)
@@ -437,7 +437,7 @@ def _measured_probe(calls: list[TrainConfig], speedup: dict[int, float]):
 
 
 def _race_answering(races: list, step_times):
-    from estimators._race import RaceResult
+    from estimators.probing._race import RaceResult
 
     def fake_race(task, pair):
         races.append(pair)
@@ -496,7 +496,7 @@ def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
 
 def _race_sequence(races: list, answers: list):
     """A fake race answering each race in turn: step times, or None for a failed race."""
-    from estimators._race import RaceResult
+    from estimators.probing._race import RaceResult
 
     def fake_race(task, pair):
         races.append(pair)
@@ -638,8 +638,8 @@ def test_search_races_for_real(tmp_path):
     # Real races of a model whose blocks sleep: more micro-batches or checkpointed blocks
     # sleep more, so the predicted best is also the truly fastest, and the race says so.
     from estimators import load_task
-    from estimators._probe import shutdown
-    from estimators._race import race
+    from estimators.probing._probe import shutdown
+    from estimators.probing._race import race
 
     from test_race import SLEEPY
     path = tmp_path / "sleepy.py"

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from estimators import ConfigError, Estimator, Task, TrainConfig, estimate, load_task
 from estimators import _shapes
-from estimators._measure import measure_cpu_peak, measure_epoch_peak
+from estimators.probing._measure import measure_cpu_peak, measure_epoch_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "models"
@@ -209,7 +209,7 @@ def test_estimate_function_and_cli_show_the_distribution(capsys):
 
 
 def test_trainer_records_the_largest_batch_and_its_peak(tmp_path, text_task):
-    from estimators._guard import MemoryGuard
+    from estimators.runtime._guard import MemoryGuard
     from memplan import TrainOptions, train
     config = TrainConfig(micro_batch_size=8, grad_accum_steps=2)
     small = dataclasses.replace(text_task, train_data=lambda: Subset(text_task.dataset(), range(128)), _cache={})

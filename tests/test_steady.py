@@ -1,4 +1,4 @@
-"""The derived second step (estimators._steady) against a traced one."""
+"""The derived second step (estimators.tracing._steady) against a traced one."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from estimators import Task, TrainConfig
-from estimators._steady import RawEvents, drop_second_micro, repeat_first_step
-from estimators._trace import Trace, trace_step
+from estimators.tracing._steady import RawEvents, drop_second_micro, repeat_first_step
+from estimators.tracing._trace import Trace, trace_step
 
 from test_estimator import cnn_task, lm_task
 

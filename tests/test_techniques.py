@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, load_task
-from estimators._precision import make_grad_scaler
+from estimators.runtime._precision import make_grad_scaler
 from estimators._task import default_optimizer
 from memplan._checkpoint_io import load_checkpoint
 from memplan._schedules import SCHEDULES, make_schedule

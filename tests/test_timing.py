@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from estimators import Estimator, Task, TrainConfig
-from estimators import _timing
-from estimators._timing import (
+from estimators.timing import _timing
+from estimators.timing._timing import (
     OP_CLASSES, DeviceRates, OpCosts, StepTimeParts, TimeCalibration, cpu_rates, cpu_rates_path, op_class,
     step_time_parts,
 )

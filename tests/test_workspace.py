@@ -1,4 +1,4 @@
-"""Kernel workspaces (estimators._workspace) against real, profiled runs."""
+"""Kernel workspaces (estimators.memory._workspace) against real, profiled runs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from estimators import Estimator, Task, TrainConfig
-from estimators import _workspace
-from estimators._measure import measure_cpu_peak
-from estimators._trace import trace_step
+from estimators.memory import _workspace
+from estimators.probing._measure import measure_cpu_peak
+from estimators.tracing._trace import trace_step
 
 from test_estimator import lm_task, rel_error
 

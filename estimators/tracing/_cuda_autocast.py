@@ -311,6 +311,6 @@ def _registered_cuda_ops() -> set[str]:
         unknown = registered - set(CUDA_POLICY)
         if unknown:
             raise RuntimeError(f"CUDA autocast policy unknown for {sorted(unknown)} in torch "
-                               f"{torch.__version__}; add them to estimators._cuda_autocast")
+                               f"{torch.__version__}; add them to estimators.tracing._cuda_autocast")
         _CUDA_OPS = registered
     return _CUDA_OPS

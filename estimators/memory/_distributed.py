@@ -4,7 +4,7 @@ Three pieces:
 
 * :func:`simulated_ranks` — a fake process group (``torch.testing``'s ``FakeStore``): every
   collective returns at once without moving data, so this process is "rank 0 of W". FSDP2
-  (``estimators._parallel.apply_fsdp``) runs on it as is, on fake or real tensors.
+  (``estimators.runtime._parallel.apply_fsdp``) runs on it as is, on fake or real tensors.
 * :class:`EmulatedDDP` — ``DistributedDataParallel``'s C++ reducer touches tensor data (bucket
   rebuilds, the comm hook) and cannot run on fake tensors, so its memory behaviour is
   reproduced here with the options ``_parallel.apply_ddp`` uses (checked against the real
@@ -38,10 +38,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ._checkpoint import BlockFinder, find_block_stack
-from ._config import TrainConfig
-from ._errors import ConfigError
-from ._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
+from ..runtime._checkpoint import BlockFinder, find_block_stack
+from .._config import TrainConfig
+from .._errors import ConfigError
+from ..runtime._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
 
 __all__ = ["simulated_ranks", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
            "FsdpUnits", "fsdp_units", "ddp_bucket_bytes"]
@@ -88,7 +88,7 @@ class EmulatedDDP(nn.Module):
 
     Offers ``set_requires_gradient_sync`` so that ``_parallel.gradient_sync`` drives it the
     way it drives FSDP2. Collectives are not issued: on the fake process group they move no
-    data, and their time is modelled by ``estimators._comm``.
+    data, and their time is modelled by ``estimators.timing._comm``.
     """
 
     def __init__(self, module: nn.Module, *, world_size: int, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> None:

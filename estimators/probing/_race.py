@@ -49,9 +49,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ._config import TrainConfig
-from ._errors import ConfigError
-from ._task import Task
+from .._config import TrainConfig
+from .._errors import ConfigError
+from .._task import Task
 
 __all__ = ["RaceResult", "race"]
 
@@ -113,7 +113,7 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
     """Time ``configs[0]`` against ``configs[1]``, step against step, in one child process.
 
     Args:
-        task_ref: As for :func:`~estimators._probe.probe`.
+        task_ref: As for :func:`~estimators.probing._probe.probe`.
         configs: Two different single-device configurations.
         device: ``cpu`` or ``cuda``.
         rounds: Timed rounds; each times one optimizer step of each configuration.
@@ -134,7 +134,7 @@ def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int
     """In the probe child: build both configurations, warm them up, time the rounds."""
     import torch
 
-    from . import _precision
+    from ..runtime import _precision
     from ._probe import Stepper, build_for_training
 
     dev = torch.device(device)

@@ -4,14 +4,14 @@ A trace for a CUDA target runs fake CPU tensors (FACTS.md: fake CUDA tensors abo
 backward). Wherever PyTorch's CPU and CUDA kernels keep different tensors, the trace takes
 CUDA's, for the whole step (forward, backward with checkpoint recomputation, optimizer):
 
-* autocast casts as CUDA's does (:mod:`estimators._cuda_autocast`);
-* ``scaled_dot_product_attention`` runs the backend the card would pick (:mod:`estimators._sdpa`);
+* autocast casts as CUDA's does (:mod:`estimators.tracing._cuda_autocast`);
+* ``scaled_dot_product_attention`` runs the backend the card would pick (:mod:`estimators.tracing._sdpa`);
 * ``dropout`` runs CUDA's fused ``native_dropout`` (``at::native::dropout`` takes it when the
   input is on CUDA, 0 < p < 1 and the input is not empty), which keeps a bool mask for
   backward, where the CPU path (``_dropout_impl``) keeps a noise tensor of the input's dtype
   (4 bytes per element in fp32, not 1);
 * the optimizer runs its foreach implementation unless the model file chose otherwise (done
-  by the trace itself, see ``estimators._trace._use_foreach``).
+  by the trace itself, see ``estimators.tracing._trace._use_foreach``).
 
 Overrides are registered on the dispatcher while :func:`cuda_semantics` is active and removed
 after; the CPU target never sees them.

@@ -6,7 +6,7 @@ allocation events is the allocator's live-byte count. The model's parameters and
 exist before profiling starts, so they are added as a baseline.
 
 :func:`measure_distributed_peaks` does the same on every rank of a real ``ddp`` or ``fsdp``
-run: W processes with the gloo backend, wrapped by ``estimators._parallel`` exactly as the
+run: W processes with the gloo backend, wrapped by ``estimators.runtime._parallel`` exactly as the
 trainer wraps. What wrapping allocates or frees (DDP's buckets, FSDP2's sharding) is profiled
 too and counted in the baseline; the peak is taken over the training steps. Blocks that other
 threads allocate there (gloo's collective scratch, on its worker threads, at timing-dependent
@@ -27,10 +27,10 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from . import _checkpoint, _parallel
-from ._config import TrainConfig
-from ._task import Task
-from ._trace import run_steps
+from ..runtime import _checkpoint, _parallel
+from .._config import TrainConfig
+from .._task import Task
+from ..tracing._trace import run_steps
 
 __all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_epoch_peak", "measure_distributed_peaks", "storage_bytes"]
 
@@ -57,7 +57,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _profiled() -> Any:
-    from ._profiler import memory_profile
+    from ..tracing._profiler import memory_profile
 
     return memory_profile()
 
@@ -157,7 +157,7 @@ def measure_epoch_peak(task: Task, config: TrainConfig, *, seed: int = 0) -> tup
     windows of ``config.global_batch`` items and those into micro-batches, each collated by
     the task's collate and stepped as the trainer steps it. What a plan made for varying
     shapes must never fall below. Returns the measurement and the number of micro-batches."""
-    from . import _precision
+    from ..runtime import _precision
 
     data = task.dataset()
     if data is None or config.strategy != "single":
@@ -197,7 +197,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_path: str, configs: 
                steps: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from ._task import load_task
+    from .._task import load_task
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -221,7 +221,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_path: str, configs: 
 
 def measure_distributed_peaks(model_path: str, configs: Sequence[TrainConfig], *, steps: int = 2) -> list[list[CpuMeasurement]]:
     """Each configuration trained for real by ``world_size`` CPU processes (gloo), wrapped by
-    ``estimators._parallel``; per configuration, each rank's measurement (rank order).
+    ``estimators.runtime._parallel``; per configuration, each rank's measurement (rank order).
 
     All configurations must share one ``world_size``; they run one after the other in the
     same processes (spawned once: a model file path, not a ``Task``, since the task is loaded

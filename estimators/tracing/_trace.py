@@ -29,10 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from . import _checkpoint, _distributed, _parallel, _precision
-from ._config import TrainConfig
-from ._errors import MemplanError, ModelFileError
-from ._task import Task, _one_line
+from ..runtime import _checkpoint, _parallel, _precision
+from ..memory import _distributed
+from .._config import TrainConfig
+from .._errors import MemplanError, ModelFileError
+from .._task import Task, _one_line
 from ._steady import RawEvents, drop_second_micro, repeat_first_step
 
 __all__ = ["Category", "Trace", "OpRecord", "trace_step", "DataDependentShapes"]
@@ -125,7 +126,7 @@ class Trace:
     """The peak of the fullest of those real runs (this trace may bound them all)."""
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
-    one device with accumulation >= 2; see ``estimators._steady.drop_second_micro``)."""
+    one device with accumulation >= 2; see ``estimators.tracing._steady.drop_second_micro``)."""
 
     def structure_key(self) -> tuple[int, int]:
         return (len(self.event_alloc), len(self.alloc_bytes))
@@ -301,7 +302,7 @@ _FRESH = {"lift_fresh", "lift_fresh_copy", "lift"}
 
 def _aliased(func: Any) -> bool | tuple[bool, ...]:
     if func not in _ALIASED:
-        from ._guard import _aliased_returns
+        from ..runtime._guard import _aliased_returns
         _ALIASED[func] = False if func._overloadpacket.__name__ in _FRESH else _aliased_returns(func)
     return _ALIASED[func]
 
@@ -433,11 +434,11 @@ def trace_step(
     real batches instead.
 
     ``ddp`` and ``fsdp`` configurations trace rank 0 of ``config.world_size`` ranks in this
-    process, on a fake process group (:mod:`estimators._distributed`); the trace starts from
+    process, on a fake process group (:mod:`estimators.memory._distributed`); the trace starts from
     the wrapped model (sharded parameters, DDP's gradient buckets), as training does.
 
     A two-step fake trace of a one-device configuration traces step 1 and derives step 2
-    from it (:mod:`estimators._steady`), halving the dispatch time; ``synthesize=False``
+    from it (:mod:`estimators.tracing._steady`), halving the dispatch time; ``synthesize=False``
     traces both. A real run steps through real batches, whose shapes may depend on their
     values: it runs both steps unless ``derive_real=True`` says the model's shapes do not
     (its fake trace succeeded), which halves a profiled run too.

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ._config import TrainConfig
-from ._task import Task
+from .._config import TrainConfig
+from .._task import Task
 from ._trace import Trace, trace_step
 
 __all__ = ["TraceWorker", "worker_available", "close_all"]

@@ -31,7 +31,7 @@ __all__ = ["RawEvents", "drop_second_micro", "repeat_first_step"]
 
 @dataclass
 class RawEvents:
-    """The recorder's lists for a trace (see ``estimators._trace.Trace`` for their meaning)."""
+    """The recorder's lists for a trace (see ``estimators.tracing._trace.Trace`` for their meaning)."""
 
     alloc_bytes: list[int]
     alloc_category: list[int]

@@ -79,7 +79,7 @@ from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from ._errors import ConfigError, MemplanError
+from .._errors import ConfigError, MemplanError
 
 __all__ = [
     "CachingAllocatorSim",

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ._config import Precision, normalize_precision
+from .._config import Precision, normalize_precision
 
 __all__ = ["autocast_dtype", "forward_context", "make_grad_scaler", "backward", "optimizer_step",
            "trace_semantics", "semantics_notes"]
@@ -40,14 +40,14 @@ def trace_semantics(precision: Precision | str, *, cuda: bool, capability: tuple
                     fake: bool = True) -> Iterator[Any]:
     """Around a whole traced step (forward, backward, optimizer) for a CUDA target: the trace's
     CPU tensors take CUDA's kernel semantics, so that :func:`forward_context`'s CPU autocast
-    casts as ``torch.autocast("cuda", dtype)`` does (see ``estimators._cuda_semantics``). The
+    casts as ``torch.autocast("cuda", dtype)`` does (see ``estimators.tracing._cuda_semantics``). The
     trainer on a real GPU runs real CUDA autocast and needs none of this. Yields what the
     trace met (for :func:`semantics_notes`), or None for a CPU target.
     """
     if not cuda:
         yield None
         return
-    from ._cuda_semantics import cuda_semantics
+    from ..tracing._cuda_semantics import cuda_semantics
 
     with cuda_semantics(capability, autocast=autocast_dtype(precision) is not None, fused_attention=fake) as run:
         yield run
@@ -58,7 +58,7 @@ def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
     for the estimate's notes."""
     if run is None:
         return []
-    from ._cuda_semantics import cuda_notes
+    from ..tracing._cuda_semantics import cuda_notes
 
     return cuda_notes(run, op_names or set())
 

@@ -5,7 +5,7 @@ reads a pickled dict with ``segments`` (the allocator's state at the end) and
 ``device_traces`` (one list of events per device: ``alloc``, ``free_requested``,
 ``free_completed``, ``segment_alloc``). We write the estimate's replay in that format:
 
-* addresses come from the caching-allocator model (``estimators._allocator``), so the
+* addresses come from the caching-allocator model (``estimators.memory._allocator``), so the
   "Active Cached Memory Timeline" and "Allocator State History" views show the modelled
   segments and their fragmentation;
 * each ``alloc``/``free`` carries the byte count the estimate counts (512-byte blocks on
@@ -25,7 +25,7 @@ from typing import Any
 
 from ._allocator import CachingAllocatorSim
 from ._timeline import Timeline
-from ._trace import Category
+from ..tracing._trace import Category
 
 __all__ = ["to_snapshot", "write_snapshot", "snapshot_peak"]
 

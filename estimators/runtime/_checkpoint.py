@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 __all__ = ["find_block_stack", "apply_checkpointing", "max_checkpoint_segments", "select_blocks"]
 

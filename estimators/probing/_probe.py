@@ -10,7 +10,7 @@ What is measured:
 
 * memory over the first two optimizer steps (the first creates the optimizer state, the
   second is the steady state). On cpu the reference is the CPU allocator's own accounting,
-  as in ``estimators._measure.measure_cpu_peak``: ``torch.profiler`` with
+  as in ``estimators.probing._measure.measure_cpu_peak``: ``torch.profiler`` with
   ``profile_memory=True`` sees every allocation and free, tensors and kernel scratch alike;
   the peak is the parameters and buffers plus the highest running sum of those events. On
   cuda: ``max_memory_allocated`` / ``max_memory_reserved`` after ``reset_peak_memory_stats``.
@@ -21,7 +21,7 @@ What is measured:
   caller's ``torch.get_num_threads()``, so a probe times what the calling process would see
   (on a busy 2-core machine, 2 threads instead of 1 made a small CNN's step 40x slower).
 
-With ``budget_bytes`` the memory steps run under :class:`~estimators._guard.MemoryGuard`
+With ``budget_bytes`` the memory steps run under :class:`~estimators.runtime._guard.MemoryGuard`
 (on cuda every step does: ``set_per_process_memory_fraction`` costs nothing); on cpu a
 measured peak above the budget (kernel scratch the guard does not see) is an OOM as well.
 
@@ -47,7 +47,7 @@ its stdout/stderr go to a temporary file whose tail explains crashes. Outcomes:
 The parent never holds the child's memory, and every child is killed if need be and reaped
 before :func:`probe` returns; only the server outlives a probe (stopped at exit or by
 :func:`shutdown`; it exits by itself when its parent does). The same children run races
-(``estimators._race``: two configurations timed step against step), with the same outcomes.
+(``estimators.probing._race``: two configurations timed step against step), with the same outcomes.
 
 Cost (the ``overhead_s`` of a result: wall time less the steps themselves). Measured on this
 2-core machine while other jobs kept the load average at 3.5-6.5 (``import torch`` took 5-8 s
@@ -87,10 +87,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping
 
-from ._config import TrainConfig
-from ._errors import ConfigError, MemplanError, ProbeError
-from ._estimate import Estimate
-from ._task import Task
+from .._config import TrainConfig
+from .._errors import ConfigError, MemplanError, ProbeError
+from .._estimate import Estimate
+from .._task import Task
 
 if TYPE_CHECKING:
     from ._race import RaceResult
@@ -357,11 +357,11 @@ def _child_env() -> dict[str, str]:
 
 _ZYGOTE_BOOT = (
     "import sys; sys.path.insert(0, {root!r}); "
-    "from estimators._probe import _zygote_main; _zygote_main(int(sys.argv[1]))"
+    "from estimators.probing._probe import _zygote_main; _zygote_main(int(sys.argv[1]))"
 )
 _CHILD_BOOT = (
     "import sys; sys.path.insert(0, {root!r}); "
-    "from estimators._probe import _child_entry; _child_entry(int(sys.argv[1]))"
+    "from estimators.probing._probe import _child_entry; _child_entry(int(sys.argv[1]))"
 )
 
 
@@ -634,7 +634,7 @@ class Prober:
     def race(self, configs: tuple[TrainConfig, TrainConfig] | list[TrainConfig], *, rounds: int = 8,
              warmup: int = 2, timeout_s: float = 120) -> RaceResult:
         """Time two configurations step against step in one child process; see
-        :func:`estimators._race.race`."""
+        :func:`estimators.probing._race.race`."""
         from ._race import RaceResult, check_race_args
 
         pair = check_race_args(configs, rounds, warmup, timeout_s)
@@ -751,7 +751,7 @@ def probe(
         device: ``cpu`` or ``cuda`` (``cuda:1`` …).
         steps: Timed optimizer steps (the median is reported).
         warmup: Un-timed steps between the two memory steps and the timed ones.
-        budget_bytes: Enforce this budget (:class:`~estimators._guard.MemoryGuard`).
+        budget_bytes: Enforce this budget (:class:`~estimators.runtime._guard.MemoryGuard`).
         timeout_s: Wall-clock limit of the whole probe, process start included.
 
     Returns:
@@ -769,7 +769,7 @@ def probe(
 # --------------------------------------------------------------------------- the child side
 
 _PRELOAD = ("torch._dynamo", "torch.profiler", "torch.utils.checkpoint", "torch.optim",
-            "estimators._guard", "estimators._measure", "estimators._checkpoint", "estimators._precision")
+            "estimators.runtime._guard", "estimators.probing._measure", "estimators.runtime._checkpoint", "estimators.runtime._precision")
 
 
 def _zygote_main(ctl_fd: int) -> None:
@@ -914,7 +914,7 @@ def _serve(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _describe(exc: BaseException, source: str | None) -> str:
-    from ._task import _user_frame
+    from .._task import _user_frame
 
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
@@ -928,7 +928,7 @@ def _describe(exc: BaseException, source: str | None) -> str:
 
 
 def _load(spec: dict[str, Any]) -> Task:
-    from ._task import load_task
+    from .._task import load_task
 
     if "path" in spec:
         task = load_task(spec["path"])
@@ -942,7 +942,7 @@ def _load(spec: dict[str, Any]) -> Task:
 
 def build_for_training(task: Task, config: TrainConfig, dev: Any) -> Any:
     """The task's model on ``dev``, in train mode, checkpointed as ``config`` says."""
-    from . import _checkpoint
+    from ..runtime import _checkpoint
 
     model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
     model.train()
@@ -957,8 +957,8 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
 
     import torch
 
-    from . import _precision
-    from ._guard import MemoryGuard
+    from ..runtime import _precision
+    from ..runtime._guard import MemoryGuard
     from ._measure import storage_bytes
 
     dev = torch.device(device)
@@ -1005,7 +1005,7 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
         else:
             from torch.profiler import record_function
 
-            from ._profiler import memory_profile
+            from ..tracing._profiler import memory_profile
 
             def label(name: str) -> Any:
                 return record_function(_PHASE_PREFIX + name)
@@ -1044,7 +1044,7 @@ def _run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warm
             )
 
         if budget_bytes is not None and not cuda and peak > budget_bytes:
-            from ._units import format_size
+            from .._units import format_size
             return {
                 "status": "oom", "steps_s": time.monotonic() - t_steps,
                 "estimate": measured(None, ["not timed: over the budget"]).to_dict(),
@@ -1091,7 +1091,7 @@ class Stepper:
         import torch
         from torch.utils._pytree import tree_map
 
-        from . import _precision
+        from ..runtime import _precision
 
         cfg, task, dev = self.config, self.task, self.device
         n, b = cfg.grad_accum_steps, cfg.micro_batch_size
@@ -1165,7 +1165,7 @@ def _gpu_name(dev: Any) -> str:
     import torch
 
     try:
-        from ._gpus import detect_local_gpu
+        from .._gpus import detect_local_gpu
         spec = detect_local_gpu()
         if spec is not None:
             return spec.name

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ._config import TrainConfig
-from ._task import Task
-from ._trace import Trace, trace_step
+from .._config import TrainConfig
+from .._task import Task
+from ..tracing._trace import Trace, trace_step
 
 __all__ = ["WORKSPACE_ANCHORS", "Source", "WorkspaceFit", "aligned_sources", "aligned_workspaces",
            "borrow_holds", "borrowed_sources", "borrowed_workspaces", "fit_key", "measure_fit",

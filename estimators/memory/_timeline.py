@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._config import TrainConfig
-from ._estimate import Estimator, replay_sizes
-from ._trace import Category
+from .._config import TrainConfig
+from .._estimate import Estimator, replay_sizes
+from ..tracing._trace import Category
 
 __all__ = ["Timeline", "predicted_timeline"]
 

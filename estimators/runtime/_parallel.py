@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ._checkpoint import BlockFinder, find_block_stack
-from ._config import Precision, TrainConfig
+from .._config import Precision, TrainConfig
 from ._precision import autocast_dtype
 
 __all__ = ["DDP_BUCKET_CAP_MB", "fsdp_mp_policy", "apply_fsdp", "apply_ddp", "parallelize", "gradient_sync",

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from ._gpus import GPUSpec
+from .._gpus import GPUSpec
 
 __all__ = [
     "DeviceRates", "gpu_rates", "cpu_rates", "OP_CLASSES", "op_class", "OpCosts", "op_costs",

@@ -7,7 +7,7 @@ the CPU :class:`MemoryGuard` counts the bytes of live tensor storages and raises
 would take them over the budget. The trainer's OOM recovery, the probes and the tests then
 handle a CPU OOM exactly as they would handle a GPU one.
 
-How the CPU guard counts (the technique of ``estimators._trace._Recorder``, kept minimal):
+How the CPU guard counts (the technique of ``estimators.tracing._trace._Recorder``, kept minimal):
 
 * a ``TorchDispatchMode`` sees every aten op that runs while the guard is active — forward,
   backward (the autograd engine runs CPU backward in the calling thread, with the mode
@@ -32,7 +32,7 @@ costs, not the counting (a no-op ``TorchDispatchMode`` measured the same). Measu
 instead of an idle machine's 1.5-2 s), on one thread: 36-100 µs per op; a small MLP's step
 (64-256-10, batch 32, AdamW, 77 ops, ~2-3.5 ms) took +136% to +273%;
 ``examples/tiny_gpt.py`` at batch 8 (927 ops, ~0.66 s per step) +14%. The larger the ops,
-the smaller the share. ``python -m estimators._guard`` re-measures the MLP figure.
+the smaller the share. ``python -m estimators.runtime._guard`` re-measures the MLP figure.
 
 Known limitations: kernel scratch memory that never becomes a tensor (oneDNN reorders, sort
 buffers) is not counted — budgets should keep a margin, as the planner's does; tensors made
@@ -42,7 +42,7 @@ DataLoader's pin-memory thread creates tensors outside the mode, which are not c
 
 Example:
     >>> import torch
-    >>> from estimators._guard import MemoryGuard
+    >>> from estimators.runtime._guard import MemoryGuard
     >>> with MemoryGuard(1_000_000) as guard:
     ...     a = torch.zeros(100_000)            # 400 kB: fits
     ...     try:
@@ -63,8 +63,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._errors import ConfigError
-from ._units import format_size
+from .._errors import ConfigError
+from .._units import format_size
 
 __all__ = ["MemoryGuard", "OOMInjector"]
 
@@ -495,7 +495,7 @@ class MemoryGuard:
 
 def _benchmark(repeats: int = 7, steps: int = 50) -> dict[str, float]:
     """Median time of a small MLP's training step (64-256-10, batch 32, AdamW) with and
-    without a guard, on one thread. ``python -m estimators._guard`` prints it."""
+    without a guard, on one thread. ``python -m estimators.runtime._guard`` prints it."""
     import statistics
     import time
 

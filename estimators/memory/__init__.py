@@ -1,0 +1,1 @@
+"""From a trace to bytes: the caching-allocator model, workspaces, snapshots, timelines."""

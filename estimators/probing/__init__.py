@@ -1,0 +1,1 @@
+"""Real steps in an isolated process: measured peak and time, and races."""

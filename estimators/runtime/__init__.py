@@ -1,0 +1,1 @@
+"""The training step's techniques, shared by the trace, the probes and the trainer."""

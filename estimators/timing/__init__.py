@@ -1,0 +1,1 @@
+"""From a trace to seconds: the roofline per op and the collectives' cost."""
