@@ -3,6 +3,11 @@
 ``llama_task(size)`` gives a Llama-style decoder (RMSNorm, rotary-free attention through
 ``scaled_dot_product_attention``, SwiGLU MLP, untied head) of about 1B or 7B parameters; the
 training data is a handful of real token sequences (tracing needs real batches' shapes only).
+
+``llama3_task(name, seq)`` gives a decoder with the dimensions of a released Llama 3 model
+(``LLAMA3``: 3.2-1B, 3.2-3B, 3-8B): rotary positions, grouped-query attention, SwiGLU MLP,
+and the embeddings tied to the head where the real model ties them, so that its parameter
+count is the real model's.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 from estimators import Task
 
-__all__ = ["SIZES", "llama_task"]
+__all__ = ["LLAMA3", "SIZES", "llama3_task", "llama_task"]
 
 # name: (layers, width, heads, mlp hidden, vocab, context)
 SIZES = {
@@ -77,4 +82,94 @@ def llama_task(size: str = "7b") -> Task:
         return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
     return Task(name=f"llama_{size}", build_model=lambda: Llama(layers, width, heads, hidden, vocab),
+                train_data=train_data, checkpoint_blocks=lambda m: list(m.layers))
+
+
+# -- Llama 3 dimensions (from each model's published config.json) ---------------------------
+
+# name: (layers, width, heads, kv heads, mlp hidden, vocab, tied embeddings, rope theta, parameters)
+LLAMA3 = {
+    "1b": (16, 2048, 32, 8, 8192, 128256, True, 500000.0, "1.24B"),   # Llama 3.2-1B
+    "3b": (28, 3072, 24, 8, 8192, 128256, True, 500000.0, "3.21B"),   # Llama 3.2-3B
+    "8b": (32, 4096, 32, 8, 14336, 128256, False, 500000.0, "8.03B"),  # Llama 3-8B
+}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class GQABlock(nn.Module):
+    """One Llama 3 decoder layer: rotary positions on q and k, ``kv_heads`` key/value heads
+    shared by groups of query heads (repeated before attention, as Hugging Face's and
+    torchtitan's Llama do), SwiGLU MLP."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.norm1, self.norm2 = RMSNorm(width), RMSNorm(width)
+        self.q = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.k = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.out = nn.Linear(heads * self.head_dim, width, bias=False)
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:t], sin[:t]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        groups = self.heads // self.kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama3(nn.Module):
+    def __init__(self, layers: int, width: int, heads: int, kv_heads: int, hidden: int, vocab: int,
+                 tied: bool, theta: float, context: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(GQABlock(width, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        head_dim = width // heads
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(context, dtype=torch.float32), inv)
+        angles = torch.cat((angles, angles), dim=-1)
+        # Not saved with the weights (recomputed from the dimensions), as in the real models.
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.head(self.norm(x))
+
+
+def llama3_task(name: str = "1b", seq: int = 2048, *, samples: int = 64) -> Task:
+    """A Llama 3 model of ``LLAMA3[name]``'s dimensions trained on ``samples`` sequences of
+    ``seq`` tokens (the rotary tables cover ``seq``)."""
+    layers, width, heads, kv_heads, hidden, vocab, tied, theta, _ = LLAMA3[name]
+
+    def train_data() -> TensorDataset:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (samples, seq + 1), generator=g)
+        return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    return Task(name=f"llama3_{name}_s{seq}",
+                build_model=lambda: Llama3(layers, width, heads, kv_heads, hidden, vocab, tied, theta, seq),
                 train_data=train_data, checkpoint_blocks=lambda m: list(m.layers))
