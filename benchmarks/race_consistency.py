@@ -39,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import TrainConfig, load_task  # noqa: E402
-from estimators.probing._probe import Stepper, build_for_training, prestart, probe  # noqa: E402
+from estimators.probing._probe import prestart, probe  # noqa: E402
+from estimators.runtime._build import build_for_training  # noqa: E402
+from estimators.runtime._planned import PlannedSteps  # noqa: E402
 from estimators.probing._race import race  # noqa: E402
 
 MODELS = ROOT / "benchmarks" / "models"
@@ -73,8 +75,7 @@ def solo_group(path: Path, a: TrainConfig, b: TrainConfig, steps: int) -> float:
 
 def _member(path: str, config: TrainConfig, conn) -> None:  # noqa: ANN001 - a Pipe end
     task = load_task(path)
-    model = build_for_training(task, config, torch.device("cpu"))
-    step = Stepper(task, config, model, task.make_optimizer(model), None, torch.device("cpu"))
+    step = PlannedSteps(task, config, build_for_training(task, config, "cpu"))
     index = 0
     while conn.recv() is not None:
         index += 1

@@ -18,7 +18,7 @@ Measurements (``--measure``):
 
 * ``probe`` (default): ``estimators.probing._probe.probe`` per configuration (steps=5, warmup=2), the
   median wall time of a step, as a search sees it. Use on a quiet machine.
-* ``cpu-time``: the same step (``estimators.probing._probe.Stepper``) in this process with ONE torch
+* ``cpu-time``: the same step (``estimators.runtime._planned.PlannedSteps``) in this process with ONE torch
   thread, timed by the process's CPU time (median of 3-9 steps after 2 warm-up steps). On a
   shared machine the wall clock counts other processes' time slices; the CPU time of a
   single-threaded step barely moves with the load (cache and memory-bus sharing remain). The
@@ -110,17 +110,13 @@ def machine() -> dict[str, Any]:
 def measure_cpu_time(path: Path, config: TrainConfig, *, warmup: int = 2, min_steps: int = 3,
                      max_steps: int = 9, budget_s: float = 6.0) -> dict[str, Any]:
     """The probe's step, in this process, timed by CPU time (one torch thread)."""
-    from estimators.runtime import _precision
-    from estimators.probing._probe import Stepper
+    from estimators.runtime._build import build_for_training
+    from estimators.runtime._planned import PlannedSteps
 
     task = load_task(str(path))
     torch.manual_seed(0)
-    model = task.build_model()
-    model.train()
-    optimizer = task.make_optimizer(model)
-    scaler = _precision.make_grad_scaler(config.precision, "cpu")
+    step = PlannedSteps(task, config, build_for_training(task, config, "cpu"))
     task.batch_template()
-    step = Stepper(task, config, model, optimizer, scaler, torch.device("cpu"))
     for i in range(1, warmup + 1):  # the first step creates the optimizer state
         step(i)
     cpu, wall = [], []

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
 from ._errors import ConfigError, ModelFileError
+from .runtime._options import StepOptions
 from ._shapes import (POLICIES, PlannedBatch, ShapeProfile, fill_items, largest_items, planned_batch, profile_shapes,
                       worst_items)
 
@@ -119,6 +120,9 @@ class Task:
     shape_policy: str = "max"
     """Which batch estimates are made for when items vary in shape: ``max``, the worst the
     loader can form; ``p99``, the 99th percentile of an epoch's; ``median`` (for reports)."""
+    step: StepOptions = field(default_factory=StepOptions)
+    """What the training step runs besides forward, backward and the optimizer step
+    (clipping, EMA, label smoothing): the trainer's defaults unless :meth:`with_step` says."""
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
     """The loaded dataset and batch template: loaded once per task, dropped with it."""
 
@@ -213,6 +217,13 @@ class Task:
         shared = {k: self._cache[k] for k in ("dataset", "shapes") if k in self._cache}
         task = replace(self, shape_policy=policy, _cache=shared)
         return task
+
+    def with_step(self, step: StepOptions) -> Task:
+        """This task with another step (the trainer's options that change the step's memory);
+        the loaded dataset and its shapes are shared."""
+        if step == self.step:
+            return self
+        return replace(self, step=step, _cache=self._cache)
 
     def planned(self, like: int) -> PlannedBatch | None:
         """The batch of ``like`` items this task's estimates are made for; None when every

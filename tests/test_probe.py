@@ -18,7 +18,8 @@ import torch.nn as nn
 from estimators import ProbeError, Task, TrainConfig, load_task
 from estimators._errors import ConfigError, ModelFileError
 from estimators.probing._measure import measure_cpu_peak
-from estimators.probing._probe import ProbeResult, Prober, _zygote, is_oom_error, probe, shutdown
+from estimators.probing._probe import ProbeResult, Prober, is_oom_error, probe, shutdown
+from estimators.probing._server import _zygote
 
 
 @pytest.fixture(autouse=True)

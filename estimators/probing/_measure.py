@@ -27,10 +27,12 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from ..runtime import _checkpoint, _parallel
 from .._config import TrainConfig
 from .._task import Task
-from ..tracing._trace import run_steps
+from ..runtime._build import BuiltModel, build_for_training
+from ..runtime._planned import PlannedSteps
+from ..runtime._options import StepOptions
+from ..runtime._step import make_step_parts, train_step
 
 __all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_epoch_peak", "measure_distributed_peaks", "storage_bytes"]
 
@@ -113,12 +115,13 @@ def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int,
 
 
 def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None,
-                     batch_offset: int = 0) -> CpuMeasurement:
+                     batch_offset: int = 0, options: StepOptions | None = None) -> CpuMeasurement:
     """Run ``steps`` real optimizer steps on the CPU and return the allocator's peak.
 
     The batches are those the estimate is made for (``Task.real_batch``: the planned batch of
     varying-shape data); ``batch_offset`` starts them elsewhere (the draw a data-dependent
-    model's estimate names in ``Estimate.batch_shapes``).
+    model's estimate names in ``Estimate.batch_shapes``). ``options``: the step's clipping,
+    EMA, ... (:class:`~estimators.runtime._options.StepOptions`; ``task.step`` when None).
 
     ``ddp``/``fsdp`` configurations need an initialised default process group (see
     :func:`measure_distributed_peaks`); the model is then built and wrapped, as the trainer
@@ -127,62 +130,57 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
     parameters, DDP its first buckets when it rebuilds them). The peak is taken over the steps.
     """
     task.batch_template()  # build the dataset outside the profiled region
+
+    def run(built: BuiltModel) -> None:
+        steps_of = PlannedSteps(task, config, built, options=options, batch_offset=batch_offset)
+        for i in range(1, steps + 1):
+            steps_of(i)
+
     if config.strategy != "single":
         with _profiled() as prof:
             if model is None:
                 model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-            model.train()
-            _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
-            model = _parallel.parallelize(model, config, finder=task.checkpoint_blocks)
+            built = build_for_training(task, config, "cpu", model=model)
             with torch.profiler.record_function(_STEPS_MARK):
-                run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps,
-                      batch_offset=batch_offset)
+                run(built)
         peak, level = _allocation_levels(prof, from_mark=_STEPS_MARK)
         return CpuMeasurement(peak_bytes=peak, baseline_bytes=level)
     if model is None:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-    model.train()
-    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    built = build_for_training(task, config, "cpu", model=model)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])
     with _profiled() as prof:
-        run_steps(task, config, model, batch_size=config.micro_batch_size, real=True, steps=steps,
-                      batch_offset=batch_offset)
+        run(built)
     peak, _ = _allocation_levels(prof)
     return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline)
 
 
-def measure_epoch_peak(task: Task, config: TrainConfig, *, seed: int = 0) -> tuple[CpuMeasurement, int]:
+def measure_epoch_peak(task: Task, config: TrainConfig, *, seed: int = 0,
+                       options: StepOptions | None = None) -> tuple[CpuMeasurement, int]:
     """The allocator's peak over one real epoch of ``config`` on the CPU: the dataset in a
     seeded random order (``torch.randperm``, as ``DistributedSampler`` draws it), cut into
     windows of ``config.global_batch`` items and those into micro-batches, each collated by
-    the task's collate and stepped as the trainer steps it. What a plan made for varying
-    shapes must never fall below. Returns the measurement and the number of micro-batches."""
-    from ..runtime import _precision
-
+    the task's collate and stepped by :func:`~estimators.runtime._step.train_step`, as the
+    trainer steps it. What a plan made for varying shapes must never fall below. Returns the
+    measurement and the number of micro-batches."""
     data = task.dataset()
     if data is None or config.strategy != "single":
         raise ValueError("measure_epoch_peak needs a dataset and a one-device configuration")
     n = len(data)  # type: ignore[arg-type]
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-    model.train()
-    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    built = build_for_training(task, config, "cpu", model=model)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])
     micro_batches = 0
     with _profiled() as prof:
-        optimizer = task.make_optimizer(model)
-        scaler = _precision.make_grad_scaler(config.precision, "cpu")
-        for start in range(0, n - config.global_batch + 1, config.global_batch):
+        parts = make_step_parts(task, config, built.model, built.wrapped, device=torch.device("cpu"),
+                                options=options if options is not None else task.step)
+        for step, start in enumerate(range(0, n - config.global_batch + 1, config.global_batch), 1):
             window = order[start:start + config.global_batch]
-            for k in range(0, len(window), config.micro_batch_size):
-                batch = task.collate([data[i] for i in window[k:k + config.micro_batch_size]])
-                with _precision.forward_context(config.precision, "cpu"):
-                    loss = task.compute_loss(model, batch) / config.grad_accum_steps
-                _precision.backward(loss, scaler)
-                del loss, batch
-                micro_batches += 1
-            _precision.optimizer_step(optimizer, scaler)
-            optimizer.zero_grad(set_to_none=True)
+            chunks = [window[k:k + config.micro_batch_size] for k in range(0, len(window), config.micro_batch_size)]
+            batches = (task.collate([data[i] for i in chunk]) for chunk in chunks)
+            train_step(parts, batches, [len(c) / len(window) for c in chunks], step=step)
+            micro_batches += len(chunks)
     peak, _ = _allocation_levels(prof)
     return CpuMeasurement(peak_bytes=baseline + peak, baseline_bytes=baseline), micro_batches
 

@@ -52,6 +52,7 @@ from typing import Any, Sequence
 from .._config import TrainConfig
 from .._errors import ConfigError
 from .._task import Task
+from ._probe import Prober, check_warmup_and_timeout
 
 __all__ = ["RaceResult", "race"]
 
@@ -103,7 +104,6 @@ def check_race_args(configs: Sequence[TrainConfig], rounds: int, warmup: int,
             raise ConfigError(f"races run one process (strategy single); got strategy {c.strategy!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds must be a whole number >= 1, got {rounds!r}")
-    from ._probe import check_warmup_and_timeout
     check_warmup_and_timeout(warmup, timeout_s)
     return pair[0], pair[1]
 
@@ -123,30 +123,38 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
     Returns:
         A :class:`RaceResult`; what happens in the child never raises here.
     """
-    from ._probe import Prober
-
-    return Prober(task_ref, device=device).race(configs, rounds=rounds, warmup=warmup, timeout_s=timeout_s)
+    pair = check_race_args(configs, rounds, warmup, timeout_s)
+    prober = Prober(task_ref, device=device)
+    request = prober.request(kind="race", configs=[c.to_dict() for c in pair], rounds=rounds, warmup=warmup)
+    what = f"{pair[0].describe()} against {pair[1].describe()}"
+    status, message, reply, wall = prober.exchange(request, timeout_s, what)
+    times = tuple(tuple(float(t) for t in ts) for ts in reply.get("step_times", ())) if reply else ()
+    return RaceResult(status=status, configs=pair, step_times=times if status == "ok" else (),
+                      message=message, wall_s=wall)
 
 
 # --------------------------------------------------------------------------- the child side
+
+def serve_race(task: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """The probe server's handler of a race request."""
+    return run_race(task, [TrainConfig.from_dict(c) for c in msg["configs"]], device=msg["device"],
+                    rounds=msg["rounds"], warmup=msg["warmup"])
+
 
 def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int) -> dict[str, Any]:
     """In the probe child: build both configurations, warm them up, time the rounds."""
     import torch
 
-    from ..runtime import _precision
-    from ._probe import Stepper, build_for_training
+    from ..runtime._build import build_for_training
+    from ..runtime._planned import PlannedSteps
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     if cuda and dev.index is not None:
         torch.cuda.set_device(dev)
     task.batch_template()  # the dataset is built outside the timed steps
-    steppers = []
-    for config in configs:
-        model = build_for_training(task, config, dev)
-        steppers.append(Stepper(task, config, model, task.make_optimizer(model),
-                                _precision.make_grad_scaler(config.precision, dev.type), dev))
+    steppers = [PlannedSteps(task, config, build_for_training(task, config, dev), device=dev)
+                for config in configs]
     t0 = time.monotonic()
     index = 0
     for _ in range(warmup):

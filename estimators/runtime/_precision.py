@@ -63,10 +63,14 @@ def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
     return cuda_notes(run, op_names or set())
 
 
-def make_grad_scaler(precision: Precision | str, device_type: str, *, init_scale: float | None = None,
-                     growth_factor: float | None = None, backoff_factor: float | None = None,
+def make_grad_scaler(precision: Precision | str, device_type: str, *, sharded: bool = False,
+                     init_scale: float | None = None, growth_factor: float | None = None,
+                     backoff_factor: float | None = None,
                      growth_interval: int | None = None) -> torch.amp.GradScaler | None:
     """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none.
+
+    ``sharded`` (FSDP2): every rank sees only its gradient shards, so the sharded scaler
+    all-reduces whether any rank found inf/NaN, and all of them skip (or take) the same step.
 
     The keyword arguments are ``torch.amp.GradScaler``'s (``None``: torch's default). They change
     no memory: the scale and its growth tracker are one-element tensors whatever their values.
@@ -79,7 +83,12 @@ def make_grad_scaler(precision: Precision | str, device_type: str, *, init_scale
         return None
     given = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
              "growth_interval": growth_interval}
-    return torch.amp.GradScaler(device_type, **{k: v for k, v in given.items() if v is not None})
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device_type, **kwargs)
+    return torch.amp.GradScaler(device_type, **kwargs)
 
 
 def backward(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:

@@ -26,11 +26,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from ..runtime import _checkpoint, _parallel, _precision
 from ..memory import _distributed
+from ..runtime import _precision
+from ..runtime._build import BuiltModel, build_for_training
+from ..runtime._planned import PlannedSteps
+from ..runtime._options import StepOptions
+from ..runtime._step import StepHooks
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
 from .._task import Task, _one_line
@@ -50,12 +54,13 @@ class Category(enum.IntEnum):
     OPTIMIZER = 5
     TEMPORARIES = 6
     WORKSPACE = 7
+    EMA = 8
 
     @property
     def label(self) -> str:
         return {
             0: "params", 1: "buffers", 2: "batch", 3: "activations", 4: "gradients",
-            5: "optimizer", 6: "temporaries", 7: "workspace",
+            5: "optimizer", 6: "temporaries", 7: "workspace", 8: "ema",
         }[int(self)]
 
 
@@ -426,6 +431,7 @@ def trace_step(
     target: str = "cpu",
     capability: tuple[int, int] | None = None,
     batch_offset: int = 0,
+    options: StepOptions | None = None,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -443,6 +449,10 @@ def trace_step(
     values: it runs both steps unless ``derive_real=True`` says the model's shapes do not
     (its fake trace succeeded), which halves a profiled run too.
 
+    ``options`` are the step's parts besides forward, backward and the optimizer step
+    (clipping, EMA, label smoothing: :class:`~estimators.runtime._options.StepOptions`);
+    ``task.step`` when None.
+
     ``target`` is the device type the estimate is for: on ``"cuda"`` the step runs CUDA's
     kernel semantics on CPU tensors (``_precision.trace_semantics``: CUDA's autocast policy,
     attention backend of the card of compute ``capability``, bool dropout masks) and the
@@ -450,6 +460,7 @@ def trace_step(
     there.
     """
     b = batch_size or config.micro_batch_size
+    options = options if options is not None else task.step
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     # Datasets load before any mode is active: their tensors must be real, not fake, and
@@ -462,12 +473,14 @@ def trace_step(
     with ranks:
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
                            synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
-                           cuda=target == "cuda", capability=capability, batch_offset=batch_offset)
+                           cuda=target == "cuda", capability=capability, batch_offset=batch_offset,
+                           options=options)
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
                 synthesize: bool, foreach: bool, cuda: bool = False,
-                capability: tuple[int, int] | None = None, batch_offset: int = 0) -> Trace:
+                capability: tuple[int, int] | None = None, batch_offset: int = 0,
+                options: StepOptions | None = None) -> Trace:
     # One device on fake tensors: trace one step and derive the later ones (see _steady).
     derive = synthesize and config.strategy == "single" and steps == 2
     traced_steps = 1 if derive else steps
@@ -477,8 +490,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
     else:
         model = build_fake_model(task, mode)
-    model.train()
-    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    built: BuiltModel | None = None
     rec = _Recorder()
     rec.label_ops = profile and real
     phase_labels: list[str] = ["setup"]
@@ -488,7 +500,9 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     try:
         # Wrapped before recording starts: the full model a rank holds before sharding is
         # not part of the step (training builds it sharded, or frees it before the first step).
-        model = _distributed.parallelize_simulated(model, config, finder=task.checkpoint_blocks, mode=mode)
+        built = build_for_training(task, config, "cpu", model=model, wrap=lambda m: _distributed.parallelize_simulated(
+            m, config, finder=task.checkpoint_blocks, mode=mode))
+        model = built.wrapped
         with mode, quiet:
             for p in model.parameters():
                 rec.track(p, Category.PARAMS)
@@ -506,8 +520,8 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                     stack.enter_context(_distributed.fsdp_storage_events(rec.resized_up, rec.resized_down))
                 semantics = stack.enter_context(
                     _precision.trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
-                run_steps(task, config, model, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
-                          foreach=foreach, batch_offset=batch_offset)
+                run_steps(task, config, built, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
+                          foreach=foreach, batch_offset=batch_offset, options=options)
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -525,7 +539,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
             "check that the model accepts batches from train_data() and that loss() returns a scalar"
         ) from exc
     finally:
-        del model
+        del model, built
     # Whatever is still alive at the end (params, buffers, optimizer state) is released at
     # the end of the trace's lifetime; that is not part of the step, so no events are added.
     # Frees recorded after the last step are dropped too: the garbage collector decides
@@ -669,22 +683,11 @@ def _mark_tensor(rec: _Recorder, tensor: torch.Tensor, category: Category) -> No
         rec.alloc_category[index] = int(category)
 
 
-class StepHooks:
-    """Callbacks of :func:`run_steps`; the default does nothing (a plain real run)."""
-
-    def phase(self, label: str) -> None: ...
-    def making_batch(self, on: bool) -> None: ...
-    def batch(self, batch: Any) -> None: ...
-    def after_forward(self) -> None: ...
-    def after_backward(self, model: nn.Module) -> None: ...
-    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None: ...
-
-
 class _RecordingHooks(StepHooks):
     def __init__(self, rec: _Recorder, phase_labels: list[str]) -> None:
         self.rec, self.labels = rec, phase_labels
 
-    def phase(self, label: str) -> None:
+    def phase(self, label: str, kind: str = "") -> None:
         self.labels.append(label)
         self.rec.phase = len(self.labels) - 1
 
@@ -716,27 +719,17 @@ class _RecordingHooks(StepHooks):
                 if value is not None:
                     _mark_tensor(self.rec, value, Category.OPTIMIZER)
 
-
-def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
-    """Make an optimizer left to its default run its multi-tensor implementation.
-
-    On CUDA, PyTorch's optimizers default to foreach kernels, which hold a temporary for every
-    parameter of a group at once (Adam's ``sqrt(exp_avg_sq)`` list: the whole model's fp32
-    size) where the per-tensor loop used for CPU tensors holds one parameter's; a trace for a
-    CUDA target on CPU fake tensors must run what CUDA runs. A choice the model file made
-    (``foreach=False``, ``fused=True``) is kept.
-    """
-    if "foreach" not in optimizer.defaults:
-        return
-    for group in optimizer.param_groups:
-        if group.get("foreach") is None and not group.get("fused"):
-            group["foreach"] = True
+    def held(self, tensors: Any, kind: str) -> None:
+        for t in tensors:
+            index = self.rec.track(t, Category.EMA)
+            if index is not None:
+                self.rec.alloc_category[index] = int(Category.EMA)
 
 
 def run_steps(
     task: Task,
     config: TrainConfig,
-    model: nn.Module,
+    built: BuiltModel,
     *,
     batch_size: int,
     real: bool,
@@ -745,49 +738,18 @@ def run_steps(
     device: str = "cpu",
     foreach: bool = False,
     batch_offset: int = 0,
+    options: StepOptions | None = None,
 ) -> None:
-    """The training steps that are traced and measured — the trainer's step, in miniature.
+    """The training steps that are traced and measured: the trainer's :func:`train_step`.
 
-    Batches are those the task plans for (``Task.real_batch`` with ``like`` the
-    configuration's micro-batch size: the longest items together when items vary in shape);
-    ``batch_offset`` moves a real run to other items (another draw of a data-dependent model).
-
-    Each micro-batch's batch is created at the start of its forward and dropped after its
-    backward, as the trainer does.
+    At most two micro-batches a step (the rest of a window repeat the second's memory); each
+    micro-batch's batch is created at the start of its forward and dropped after its backward,
+    as the trainer does. ``batch_offset`` moves a real run to other items (another draw of a
+    data-dependent model).
     """
-    hooks = hooks or StepHooks()
-    micro_steps = min(config.grad_accum_steps, 2)
-    optimizer = task.make_optimizer(model)
-    if foreach:
-        _use_foreach(optimizer)
-    scaler = _precision.make_grad_scaler(config.precision, device)
+    run = PlannedSteps(task, config, built, device=device, options=options, real=real, batch_size=batch_size,
+                       micro_steps=min(config.grad_accum_steps, 2), batch_offset=batch_offset, foreach=foreach,
+                       hooks=hooks)
     for step in range(1, steps + 1):
-        for micro in range(1, micro_steps + 1):
-            tag = f"step {step}" + (f" micro {micro}" if micro_steps > 1 else "")
-            hooks.phase(f"{tag} forward")
-            hooks.making_batch(True)
-            if real:
-                batch = task.real_batch(batch_size, offset=batch_offset + (step * micro_steps + micro) * batch_size,
-                                        like=config.micro_batch_size)
-                if device != "cpu":
-                    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-            else:
-                batch = task.fake_batch(batch_size, like=config.micro_batch_size)
-            hooks.making_batch(False)
-            hooks.batch(batch)
-            # Gradients are reduced across ranks on the last micro-batch of a window only.
-            with _parallel.gradient_sync(model, micro == micro_steps):
-                with _precision.forward_context(config.precision, device):
-                    loss = task.compute_loss(model, batch)
-                    loss = loss / config.grad_accum_steps
-                hooks.after_forward()
-                hooks.phase(f"{tag} backward")
-                _precision.backward(loss, scaler)
-                del loss, batch
-            hooks.after_backward(model)
-        hooks.phase(f"step {step} optimizer")
-        _precision.optimizer_step(optimizer, scaler, tracing=not real)
-        hooks.after_optimizer(optimizer, scaler)
-        hooks.phase(f"step {step} zero_grad")
-        optimizer.zero_grad(set_to_none=True)
-    hooks.phase("end")
+        run(step)
+    (hooks or StepHooks()).phase("end", "end")

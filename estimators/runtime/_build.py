@@ -1,0 +1,62 @@
+"""The one builder of a model for training: the trace, the probes and the trainer call it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .._config import TrainConfig
+from . import _checkpoint, _parallel
+
+__all__ = ["BuiltModel", "build_for_training", "checkpoint_more"]
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    """The user's module (FSDP2 shards it in place): state dicts, clipping, EMA and evaluation use it."""
+    wrapped: nn.Module
+    """What the strategy made of it: DDP's wrapper, the FSDP2 module, or the module itself."""
+    forward_model: nn.Module
+    """What the training forward calls: ``wrapped``, compiled when asked."""
+    compiled: bool = False
+
+
+def build_for_training(task: Any, config: TrainConfig, device: torch.device | str, *,
+                       model: nn.Module | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                       compile: bool = False, device_ids: list[int] | None = None) -> BuiltModel:
+    """The task's model on ``device``, in train mode, checkpointed and wrapped as ``config`` says.
+
+    The order is the trainer's: build (a copy of a prebuilt module), move, checkpoint the
+    blocks, then DDP/FSDP2 (after checkpointing, as traced), then compile the wrapper (so
+    that state dicts, taken from the plain module, keep their names). ``model`` passes a
+    module built elsewhere (the trace's fake copy); ``wrap`` replaces the strategy's wrapping
+    (the trace's simulated ranks).
+    """
+    if model is None:
+        model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+        model = model.to(device)
+    model.train()
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    if wrap is not None:
+        wrapped = wrap(model)
+    else:
+        wrapped = _parallel.parallelize(model, config, finder=task.checkpoint_blocks, device_ids=device_ids)
+    forward: nn.Module = torch.compile(wrapped) if compile else wrapped  # type: ignore[assignment]
+    return BuiltModel(_parallel.unwrap(wrapped), wrapped, forward, compiled=compile)
+
+
+def checkpoint_more(built: BuiltModel, task: Any, segments: int) -> BuiltModel:
+    """Checkpoint ``segments`` blocks of a running model (an OOM ladder's rung needs more).
+
+    Idempotent per block: blocks checkpointed already stay so (a ladder only steps down). A
+    compiled forward is compiled again from the same wrapper as at setup.
+    """
+    _checkpoint.apply_checkpointing(built.model, segments, task.checkpoint_blocks)
+    if built.compiled:
+        built.forward_model = torch.compile(built.wrapped)  # type: ignore[assignment]
+    return built

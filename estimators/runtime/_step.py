@@ -1,0 +1,223 @@
+"""The training step, written once: what the trace records, the probe times and the trainer runs.
+
+One optimizer step over a window of micro-batches::
+
+    for each micro-batch:  forward (autocast) -> loss * weight -> backward (scaled under fp16)
+    clip (unscaling first under fp16) -> optimizer step (the scaler's, under fp16) -> EMA -> zero_grad
+
+Callers differ only in their :class:`StepHooks`: the trace marks what each allocation holds and
+names the phases, the probe opens a profiler range per phase, the trainer decides to skip a
+window whose loss or gradient norm is not finite and keeps an undo copy for OOM recovery. The
+hooks never allocate on the device inside the step, so the three run the same allocations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from .._config import TrainConfig
+from .._task import default_logits_and_targets
+from . import _parallel, _precision
+from ._clip import clip_gradients
+from ._ema import EMA
+from ._options import StepOptions
+
+__all__ = ["StepOptions", "StepHooks", "StepParts", "StepResult", "make_step_parts", "train_step", "to_device"]
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+class StepHooks:
+    """Callbacks of :func:`train_step`; the default does nothing (a plain run)."""
+
+    def phase(self, label: str, kind: str) -> None:
+        """A part of the step begins: ``kind`` is forward, backward, optimizer, zero_grad or end;
+        ``label`` names it with the step and micro-batch (``step 2 micro 1 forward``)."""
+
+    def making_batch(self, on: bool) -> None:
+        """The next micro-batch is being made (loaded, collated, moved): not the step's own ops."""
+
+    def batch(self, batch: Batch) -> None: ...
+    def after_forward(self) -> None: ...
+    def after_backward(self, model: nn.Module) -> None: ...
+
+    def losses_done(self, loss_sum: torch.Tensor) -> bool:
+        """Every micro-batch is through backward; False skips the optimizer step."""
+        return True
+
+    def gradients_ready(self, grad_norm: torch.Tensor | None) -> bool:
+        """Gradients are final (clipped, when clipping is on); False skips the optimizer step."""
+        return True
+
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None: ...
+
+    def held(self, tensors: Sequence[torch.Tensor], kind: str) -> None:
+        """Tensors made at setup that live through every step (``kind``: ``ema``)."""
+
+
+@dataclass
+class StepParts:
+    """What one step runs with."""
+
+    model: nn.Module
+    """The module holding the parameters: clipping and EMA use it."""
+    forward_model: nn.Module
+    """What the forward calls: the strategy's wrapper, compiled or not."""
+    wrapped: nn.Module
+    """The strategy's wrapper (DDP) or the sharded module (FSDP2): gradient sync goes through it."""
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    ema: EMA | None
+    loss_fn: LossFn
+    precision: str
+    device: torch.device
+    options: StepOptions
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor | None
+    """The micro-batches' weighted losses summed (detached, fp32): the window's mean loss."""
+    applied: bool
+    """The optimizer step changed the weights (False: skipped by a hook or by the scaler)."""
+    stepped: bool
+    """The optimizer step ran (the scaler may still have skipped it: ``stepped and not applied``)."""
+    grad_norm: torch.Tensor | None = None
+
+
+def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: nn.Module, *,
+                    device: torch.device, options: StepOptions, forward_model: nn.Module | None = None,
+                    scaler_kwargs: dict[str, Any] | None = None, foreach: bool = False,
+                    make_ema: Callable[[nn.Module, float], EMA] | None = None) -> StepParts:
+    """The optimizer, scaler, EMA and loss a step of ``config`` runs with, for a built model.
+
+    ``foreach`` makes optimizers left to their default run the multi-tensor implementation, as
+    PyTorch's optimizers do on CUDA (a trace for a CUDA target runs on CPU tensors).
+    """
+    optimizer = task.make_optimizer(model)
+    if foreach:
+        _use_foreach(optimizer)
+    scaler = _precision.make_grad_scaler(config.precision, device.type, sharded=config.strategy == "fsdp",
+                                         **(scaler_kwargs or {}))
+    ema = None
+    if options.ema_decay is not None:
+        ema = (make_ema or EMA)(model, options.ema_decay)
+    return StepParts(model=model, forward_model=forward_model if forward_model is not None else wrapped,
+                     wrapped=wrapped, optimizer=optimizer, scaler=scaler, ema=ema,
+                     loss_fn=training_loss(task, options.label_smoothing), precision=config.precision,
+                     device=device, options=options)
+
+
+def training_loss(task: Any, label_smoothing: float) -> LossFn:
+    """The task's loss, or the default cross entropy with label smoothing."""
+    if not label_smoothing:
+        return task.compute_loss
+
+    def smoothed(model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits, targets = default_logits_and_targets(model, batch)
+        return torch.nn.functional.cross_entropy(logits, targets, label_smoothing=label_smoothing)
+    return smoothed
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A batch on the training device (as is on CPU; non-blocking from pinned memory on CUDA)."""
+    if device.type == "cpu":
+        return batch
+    non_blocking = device.type == "cuda"
+    return tree_map(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def train_step(parts: StepParts, batches: Iterator[Batch], weights: Sequence[float], *, step: int = 1,
+               hooks: StepHooks | None = None, tracing: bool = False) -> StepResult:
+    """One optimizer step over ``len(weights)`` micro-batches drawn one at a time from ``batches``.
+
+    Micro-batch ``k``'s loss is multiplied by ``weights[k]`` (its share of the window's samples;
+    ``1 / grad_accum_steps`` for full micro-batches), so that the summed gradients are those of
+    the window's mean loss. Gradients must start from None (every step ends with
+    ``zero_grad(set_to_none=True)``, a replay after an OOM starts with one), and nothing is
+    applied before the optimizer step: a step that raises can be run again from its start.
+    ``tracing=True`` runs on fake tensors (no value is read back).
+    """
+    hooks = hooks or StepHooks()
+    loss_sum = _forward_backward(parts, batches, weights, step, hooks)
+    hooks.phase(f"step {step} optimizer", "optimizer")
+    if not hooks.losses_done(loss_sum):
+        return _skipped(parts, hooks, step, loss_sum, None)
+    grad_norm = None
+    if parts.options.clip != "off":
+        if parts.scaler is not None:
+            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
+        grad_norm = clip_gradients(parts.model, parts.options.clip, parts.options.clip_threshold)
+    if not hooks.gradients_ready(grad_norm):
+        return _skipped(parts, hooks, step, loss_sum, grad_norm)
+    applied = _precision.optimizer_step(parts.optimizer, parts.scaler, tracing=tracing)
+    hooks.after_optimizer(parts.optimizer, parts.scaler)
+    if applied and parts.ema is not None:
+        parts.ema.update(parts.model)
+    hooks.phase(f"step {step} zero_grad", "zero_grad")
+    parts.optimizer.zero_grad(set_to_none=True)  # gradients are dead weight until the next backward
+    return StepResult(loss_sum, applied=applied, stepped=True, grad_norm=grad_norm)
+
+
+def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Sequence[float], step: int,
+                      hooks: StepHooks) -> torch.Tensor | None:
+    loss_sum: torch.Tensor | None = None
+    last = len(weights) - 1
+    for k, weight in enumerate(weights):
+        tag = f"step {step}" + (f" micro {k + 1}" if len(weights) > 1 else "")
+        hooks.phase(f"{tag} forward", "forward")
+        hooks.making_batch(True)
+        batch = next(batches, None)
+        if batch is None:
+            raise ValueError(f"train_step: {len(weights)} micro-batch weights but only {k} batches")
+        batch = to_device(batch, parts.device)
+        hooks.making_batch(False)
+        hooks.batch(batch)
+        if loss_sum is None:
+            # The window's loss, summed in place from the first forward on: a later micro-batch
+            # allocates nothing that outlives it, which lets the trace derive a step of one
+            # micro-batch from the first of two.
+            loss_sum = torch.zeros((), dtype=torch.float32, device=parts.device)
+        # DDP reduces gradients across ranks in the last micro-batch's backward only; FSDP2
+        # reduce-scatters every micro-batch (its gradients stay sharded); _parallel decides.
+        with _parallel.gradient_sync(parts.wrapped, k == last):
+            with _precision.forward_context(parts.precision, parts.device.type):
+                # Also by 1.0: every step runs the same ops whatever its accumulation, so that
+                # a step of one micro-batch is the first micro-batch of an accumulating one.
+                loss = parts.loss_fn(parts.forward_model, batch) * weight
+            hooks.after_forward()
+            hooks.phase(f"{tag} backward", "backward")
+            _precision.backward(loss, parts.scaler)
+        loss_sum.add_(loss.detach())
+        del batch, loss  # free the batch and the graph now, as the estimate assumes
+        hooks.after_backward(parts.model)
+    return loss_sum
+
+
+def _skipped(parts: StepParts, hooks: StepHooks, step: int, loss_sum: torch.Tensor | None,
+             grad_norm: torch.Tensor | None) -> StepResult:
+    hooks.phase(f"step {step} zero_grad", "zero_grad")
+    parts.optimizer.zero_grad(set_to_none=True)  # nothing applied: weights, state and scaler untouched
+    return StepResult(loss_sum, applied=False, stepped=False, grad_norm=grad_norm)
+
+
+def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Make an optimizer left to its default run its multi-tensor implementation.
+
+    On CUDA, PyTorch's optimizers default to foreach kernels, which hold a temporary for every
+    parameter of a group at once (Adam's ``sqrt(exp_avg_sq)`` list: the whole model's fp32
+    size) where the per-tensor loop used for CPU tensors holds one parameter's; a trace for a
+    CUDA target on CPU fake tensors must run what CUDA runs. A choice the model file made
+    (``foreach=False``, ``fused=True``) is kept.
+    """
+    if "foreach" not in optimizer.defaults:
+        return
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
