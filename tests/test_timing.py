@@ -246,7 +246,7 @@ def test_estimator_calibration_fits_overhead_and_work_apart():
 
 def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(monkeypatch):
     from estimators import Estimate
-    from estimators import _estimate
+    from estimators import _traces
 
     configs = [TrainConfig(micro_batch_size=b) for b in (4, 64, 16)]
     est = Estimator(lm_task(), device="cpu")
@@ -258,8 +258,8 @@ def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(mo
     fresh = Estimator(lm_task(), device="cpu")
     fresh._rates = est._rates
     traced: list[TrainConfig] = []
-    original = _estimate.trace_step
-    monkeypatch.setattr(_estimate, "trace_step", lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
+    original = _traces.trace_step
+    monkeypatch.setattr(_traces, "trace_step", lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
 
     def machine(p: Estimate) -> float:
         return 3.0 * p.time_parts["overhead"] + 2.0 * p.time_parts["float32"]
