@@ -18,7 +18,8 @@ from .._gpus import GPUSpec
 from .._facts import ModelFacts
 from ..memory._prepare import Prepared
 from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
-from ._timing import DeviceRates, OpCosts, StepTimeParts, TimeCalibration, step_time, step_time_parts
+from ._calibration import TimeCalibration
+from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
 
