@@ -36,7 +36,9 @@ from ._traces import DATA_DEPENDENT_CAPACITY, TraceSource
 from .memory._prepare import Prepared
 from .memory._replay import MemoryPeak, replay
 from .timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
-from .timing._timing import DeviceRates, TimeCalibration, cpu_rates, gpu_rates, step_time_parts
+from .timing._calibration import TimeCalibration
+from .timing._cpu_rates import cpu_rates
+from .timing._timing import DeviceRates, gpu_rates, step_time_parts
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
 
