@@ -53,7 +53,7 @@ def main() -> None:
             traces["s"] += time.perf_counter() - t0
 
     _trace.trace_step = counted
-    import estimators._estimate as est_mod
+    import estimators._traces as est_mod
     est_mod.trace_step = counted
 
     task = llama_task(args.size)
@@ -68,7 +68,7 @@ def main() -> None:
     from memplan import _search
     # Every trace the estimator holds, including those its worker process made (not counted
     # by the wrapper above, which runs in this process only).
-    held = sum(len(est._prepared) for est in _search._ESTIMATORS.get(task, {}).values())
+    held = sum(len(est._traces._prepared) for est in _search._ESTIMATORS.get(task, {}).values())
     lines = [
         f"# Plan for a {args.size.upper()} Llama-style model on {args.gpus} x {args.gpu}"
         + (f" x {args.nodes} nodes" if args.nodes > 1 else ""),

@@ -58,7 +58,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators.timing._timing import DeviceRates, TimeCalibration, cpu_name, cpu_rates, cpu_rates_path  # noqa: E402
+from estimators.timing._calibration import TimeCalibration  # noqa: E402
+from estimators.timing._cpu_rates import cpu_name, cpu_rates, cpu_rates_path  # noqa: E402
+from estimators.timing._timing import DeviceRates  # noqa: E402
 
 MODELS = ("mlp", "cnn_bn", "gpt_tied", "vit", "frozen_backbone")
 BATCHES = (8, 32, 96)

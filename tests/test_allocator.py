@@ -513,5 +513,7 @@ def test_replay_of_50k_events_is_fast() -> None:
 
 
 def test_module_doctests() -> None:
-    result = doctest.testmod(_allocator)
-    assert result.failed == 0 and result.attempted > 0
+    from estimators.memory import _blocks
+    for module in (_allocator, _blocks):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0

@@ -218,7 +218,7 @@ def test_a_kernel_missing_for_a_precision_says_so():
 
 
 def _count_traces(monkeypatch) -> list[int]:
-    import estimators._estimate as est_mod
+    import estimators._traces as est_mod
     seen: list[int] = []
     original = est_mod.trace_step
 
@@ -254,7 +254,7 @@ def test_a_model_refusing_batch_one_anchors_at_two(monkeypatch):
 
 
 def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
-    import estimators._estimate as est_mod
+    import estimators._prefetch as est_mod
     from estimators.tracing._trace_worker import worker_available
     assert worker_available()  # Linux: the path CI and users take
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)  # every model counts as large
@@ -271,10 +271,10 @@ def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
     configs = [TrainConfig(micro_batch_size=5), TrainConfig(micro_batch_size=9, precision="bf16-mixed"),
                TrainConfig(micro_batch_size=6, checkpoint_segments=2)]
     got = [parallel.estimate(c) for c in configs]
-    assert started == ["tinylm"] and parallel._worker is not None
-    proc = parallel._worker._proc
+    assert started == ["tinylm"] and parallel._traces._worker is not None
+    proc = parallel._traces._worker._proc
     parallel.close()
-    assert parallel._worker is None and not proc.is_alive()
+    assert parallel._traces._worker is None and not proc.is_alive()
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", float("inf"))
     alone = Estimator(lm_task(), gpu="A100-80GB")
     for config, estimate in zip(configs, got):
@@ -291,7 +291,7 @@ def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
 
 
 def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
-    import estimators._estimate as est_mod
+    import estimators._prefetch as est_mod
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)
     original_submit = est_mod.TraceWorker.submit
 
@@ -302,7 +302,7 @@ def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
     monkeypatch.setattr(est_mod.TraceWorker, "submit", submit_then_die)
     estimator = Estimator(lm_task(), gpu="A100-80GB")
     got = estimator.estimate(TrainConfig(micro_batch_size=6))
-    assert estimator._worker is None and estimator._worker_failed
+    assert estimator._traces._worker is None and estimator._traces._worker_failed
     ref = Estimator(lm_task(), gpu="A100-80GB").estimate(TrainConfig(micro_batch_size=6), exact=True)
     assert got.method == "scaled" and got.peak_bytes == ref.peak_bytes
 
@@ -311,7 +311,8 @@ def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
 def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
     # Under a fixed global batch, accumulation 1 is asked at one micro-batch size: its anchors
     # are derived from the accumulating anchors' traces instead of traced.
-    import estimators._estimate as est_mod
+    import estimators._prefetch
+    import estimators._traces as est_mod
     calls = []
     original = est_mod.trace_step
 
@@ -321,7 +322,7 @@ def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
         return original(task, config, **kwargs)
 
     monkeypatch.setattr(est_mod, "trace_step", counted)
-    monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", float("inf"))  # every trace in this process
+    monkeypatch.setattr(estimators._prefetch, "PARALLEL_TRACE_S", float("inf"))  # every trace in this process
     space = [TrainConfig(micro_batch_size=m, grad_accum_steps=12 // m) for m in (1, 2, 3, 4, 6, 12)]
     estimator = Estimator(lm_task(), device=device, gpu=gpu)
     estimator.expect(space)
@@ -346,9 +347,9 @@ def test_prefetched_space_estimates_as_traced_alone(device, gpu):
              for m in (1, 2, 4, 8) for p in ("fp32", "bf16-mixed") for s in (0, 2)]
     prefetched = Estimator(lm_task(), device=device, gpu=gpu)
     prefetched.expect(space, prefetch=True)
-    assert prefetched._pending and prefetched._worker is not None  # the worker has a queue
+    assert prefetched._traces._pending and prefetched._traces._worker is not None  # the worker has a queue
     got = [prefetched.estimate(c) for c in space]
-    assert not prefetched._pending
+    assert not prefetched._traces._pending
     prefetched.close()
     alone = Estimator(lm_task(), device=device, gpu=gpu)
     alone.expect(space)
@@ -363,10 +364,10 @@ def test_prefetch_survives_its_worker_dying():
              for m in (1, 2, 4, 8) for s in (0, 2)]
     estimator = Estimator(lm_task(), gpu="A100-80GB")
     estimator.expect(space, prefetch=True)
-    assert estimator._worker is not None
-    estimator._worker._proc.kill()
+    assert estimator._traces._worker is not None
+    estimator._traces._worker._proc.kill()
     got = [estimator.estimate(c) for c in space]
-    assert estimator._worker is None and estimator._worker_failed and not estimator._pending
+    assert estimator._traces._worker is None and estimator._traces._worker_failed and not estimator._traces._pending
     alone = Estimator(lm_task(), gpu="A100-80GB")
     assert [g.peak_bytes for g in got] == [alone.estimate(c).peak_bytes for c in space]
 
@@ -374,7 +375,7 @@ def test_prefetch_survives_its_worker_dying():
 def _count_prefetch(monkeypatch) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """Fake traces run in this process and traces handed to the worker, as
     (accumulation, checkpoint segments, batch)."""
-    import estimators._estimate as est_mod
+    import estimators._traces as est_mod
     from estimators.tracing._trace_worker import TraceWorker
     local, remote = [], []
     original_trace, original_submit = est_mod.trace_step, TraceWorker.submit
@@ -401,8 +402,8 @@ def test_prefetch_queue_is_shared_by_both_processes(monkeypatch):
              for m in (1, 2, 4, 8) for s in (0, 1, 2, 4)]
     estimator = Estimator(lm_task(), gpu="A100-80GB")
     estimator.expect(space, prefetch=True)
-    planned = len(estimator._queue) + len(estimator._pending)
-    assert len(estimator._pending) == 2 and remote  # the worker is kept two traces ahead
+    planned = len(estimator._traces._queue) + len(estimator._traces._pending)
+    assert len(estimator._traces._pending) == 2 and remote  # the worker is kept two traces ahead
     got = [estimator.estimate(c) for c in space]
     estimator.close()
     assert local and remote and len(local) + len(remote) == planned
@@ -424,4 +425,4 @@ def test_prefetch_checks_affinity_on_one_shape_whatever_is_asked_first(monkeypat
     estimator.close()
     middle = [t for t in local + remote if t[2] == 3]
     assert len(middle) == 1 and middle[0][1] == 0
-    assert estimator._affine is True
+    assert estimator._scaler._affine is True

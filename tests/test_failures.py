@@ -191,9 +191,9 @@ def test_a_probe_whose_process_died_keeps_the_configuration_unmeasured():
 
 def test_a_model_whose_states_cannot_fit_is_refused_without_a_trace(monkeypatch):
     # 400M parameters: 3.2 GB of fp32 weights and gradients, before anything else.
-    from estimators import NoFeasiblePlanError, _estimate
+    from estimators import NoFeasiblePlanError, _traces
     traced: list = []
-    monkeypatch.setattr(_estimate, "trace_step", lambda *a, **k: traced.append(a) or (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(_traces, "trace_step", lambda *a, **k: traced.append(a) or (_ for _ in ()).throw(AssertionError))
     task = Task(name="huge", build_model=lambda: nn.Sequential(nn.Linear(20000, 20000), nn.Linear(20000, 4)),
                 sample_fn=lambda b: (torch.randn(b, 20000), torch.randint(0, 4, (b,))))
     with pytest.raises(NoFeasiblePlanError) as info:

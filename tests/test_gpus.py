@@ -404,6 +404,8 @@ def test_detect_returns_none_when_nvml_fails(install: Installer) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    failures, tried = doctest.testmod(_gpus, raise_on_error=False)
-    assert tried > 0
-    assert failures == 0
+    from estimators import _gpu_table
+    for module in (_gpus, _gpu_table):
+        failures, tried = doctest.testmod(module, raise_on_error=False)
+        assert tried > 0
+        assert failures == 0

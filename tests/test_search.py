@@ -107,7 +107,7 @@ def test_a_resumed_study_with_probes_traces_nothing_again(tmp_path, monkeypatch)
     # A new process resuming a study: a new task from the same file, so a new estimator
     # without traces. Its trials answer the predictions, and the probes' refit of the
     # unprobed ones comes from the predictions' stored parts, not from tracing them again.
-    from estimators import _estimate, load_task
+    from estimators import _traces, load_task
 
     from test_race import SLEEPY
     path = tmp_path / "sleepy.py"
@@ -125,8 +125,8 @@ def test_a_resumed_study_with_probes_traces_nothing_again(tmp_path, monkeypatch)
         return answers[config]
     first = search(load_task(path), probe_fn=probe_once, **kwargs)
     traced: list[TrainConfig] = []
-    original = _estimate.trace_step
-    monkeypatch.setattr(_estimate, "trace_step",
+    original = _traces.trace_step
+    monkeypatch.setattr(_traces, "trace_step",
                         lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
     again = search(load_task(path), probe_fn=probe_once, **kwargs)
     assert traced == []

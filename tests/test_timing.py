@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from estimators import Estimator, Task, TrainConfig
-from estimators.timing import _timing
-from estimators.timing._timing import (
-    OP_CLASSES, DeviceRates, OpCosts, StepTimeParts, TimeCalibration, cpu_rates, cpu_rates_path, op_class,
-    step_time_parts,
-)
+from estimators.timing import _cpu_rates
+from estimators.timing._calibration import TimeCalibration
+from estimators.timing._cpu_rates import cpu_rates, cpu_rates_path
+from estimators.timing._timing import OP_CLASSES, DeviceRates, OpCosts, StepTimeParts, op_class, step_time_parts
 
 from test_estimator import TinyLM, lm_task  # noqa: E402
 
@@ -125,7 +124,7 @@ def test_cpu_attention_has_a_flop_count():
     # torch's flop counter knows only the CUDA attention kernels; without this the CPU's
     # attention would be priced by its bytes alone.
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
-    tally = _timing._tally(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward())
+    tally = _cpu_rates._tally(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward())
     assert tally.flops.get("attention", 0) >= 3 * 4 * 2 * 4 * 16 * 16 * 8  # fwd + bwd, >= 2 matmuls each
 
 
@@ -138,10 +137,10 @@ def test_cpu_rates_are_cached_per_version(tmp_path, monkeypatch):
         calls.append(1)
         return fixed_rates(matmul__float32=4e10, matmul__bfloat16=2e9)
 
-    monkeypatch.setattr(_timing, "_measure_cpu_rates", fake_measure)
+    monkeypatch.setattr(_cpu_rates, "_measure_cpu_rates", fake_measure)
     first = cpu_rates()
     assert cpu_rates() == first and len(calls) == 1  # read back, not re-measured
-    assert f"-v{_timing._CPU_RATES_VERSION}-" in cpu_rates_path().name
+    assert f"-v{_cpu_rates._CPU_RATES_VERSION}-" in cpu_rates_path().name
     assert json.loads(cpu_rates_path().read_text())["class_rates"]["matmul:bfloat16"] == 2e9
     cpu_rates(refresh=True)
     assert len(calls) == 2
@@ -246,7 +245,7 @@ def test_estimator_calibration_fits_overhead_and_work_apart():
 
 def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(monkeypatch):
     from estimators import Estimate
-    from estimators import _estimate
+    from estimators import _traces
 
     configs = [TrainConfig(micro_batch_size=b) for b in (4, 64, 16)]
     est = Estimator(lm_task(), device="cpu")
@@ -258,8 +257,8 @@ def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(mo
     fresh = Estimator(lm_task(), device="cpu")
     fresh._rates = est._rates
     traced: list[TrainConfig] = []
-    original = _estimate.trace_step
-    monkeypatch.setattr(_estimate, "trace_step", lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
+    original = _traces.trace_step
+    monkeypatch.setattr(_traces, "trace_step", lambda task, config, **kw: traced.append(config) or original(task, config, **kw))
 
     def machine(p: Estimate) -> float:
         return 3.0 * p.time_parts["overhead"] + 2.0 * p.time_parts["float32"]

@@ -136,7 +136,7 @@ def test_a_fit_of_other_kernels_is_not_borrowed(one_thread):
 
 
 def test_one_fit_per_precision_serves_every_checkpoint_setting(monkeypatch):
-    import estimators._estimate as est_mod
+    import estimators.memory._workspace_cache as est_mod
     fitted = []
     original = est_mod.measure_fit
 

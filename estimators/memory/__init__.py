@@ -1,1 +1,2 @@
-"""From a trace to bytes: the caching-allocator model, workspaces, snapshots, timelines."""
+"""From a trace to bytes: events prepared and replayed, the caching-allocator model, workspaces,
+snapshots, timelines."""

@@ -8,6 +8,10 @@ sum of ``Block::size`` of live blocks, so an unsplit remainder counts), ``reserv
 segments), and the peaks are what ``torch.cuda.max_memory_allocated()`` and
 ``torch.cuda.max_memory_reserved()`` return.
 
+The request path (``malloc``, ``free``, best fit, splitting) is here; segments (the
+free-block index, cache releases, expandable segments) are in ``_segments``, the blocks,
+pools, stats and constants in ``_blocks``.
+
 Rules followed from the source (names are the C++ ones):
 
 - ``round_size``: every request rounds up to a multiple of ``kMinBlockSize`` = 512 B
@@ -72,14 +76,15 @@ Example:
     >>> sim.stats.allocated, sim.stats.reserved
     (0, 2097152)
 """
-
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 
-from .._errors import ConfigError, MemplanError
+from .._errors import ConfigError
+from ._blocks import (_MASK, _NO_CAPACITY_VA, _SHIFT, AllocatorStats, SimulatedOOM, _Block, _Pool, allocation_size,
+                      kLargeBuffer, kMinBlockSize, kMinLargeAlloc, kRoundLarge, kSmallBuffer, kSmallSize, round_size)
+from ._segments import Segments
 
 __all__ = [
     "CachingAllocatorSim",
@@ -90,153 +95,8 @@ __all__ = [
     "SimulatedOOM",
 ]
 
-# Constants of c10/cuda/CUDACachingAllocator.cpp.
-kMinBlockSize = 512  # all sizes are rounded to at least 512 bytes
-kSmallSize = 1 << 20  # largest "small" allocation is 1 MiB
-kSmallBuffer = 2 << 20  # "small" allocations are packed in 2 MiB blocks
-kLargeBuffer = 20 << 20  # "large" allocations may be packed in 20 MiB blocks
-kMinLargeAlloc = 10 << 20  # allocations between 1 and 10 MiB may use kLargeBuffer
-kRoundLarge = 2 << 20  # round up large allocations to 2 MiB
 
-_NO_CAPACITY_VA = 1 << 40  # virtual size of an expandable segment without a capacity
-_SHIFT = 64  # free-block index key: (size << _SHIFT) | address
-_MASK = (1 << _SHIFT) - 1
-
-
-def round_size(nbytes: int) -> int:
-    """Round a request up the way ``round_size()`` does: to a multiple of 512 B, at least 512.
-
-    Example:
-        >>> round_size(1), round_size(512), round_size(513)
-        (512, 512, 1024)
-    """
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    if nbytes < kMinBlockSize:
-        return kMinBlockSize
-    return -(-nbytes // kMinBlockSize) * kMinBlockSize
-
-
-def allocation_size(nbytes: int) -> int:
-    """Size of the segment ``cudaMalloc``'d for a request (``get_allocation_size``).
-
-    ``nbytes`` is rounded with :func:`round_size` first (idempotent for rounded sizes).
-
-    Example:
-        >>> [allocation_size(n) >> 20 for n in (1, 1 << 20, (1 << 20) + 1, 12 << 20, 21 << 19)]
-        [2, 2, 20, 12, 12]
-    """
-    size = round_size(nbytes)
-    if size <= kSmallSize:
-        return kSmallBuffer
-    if size < kMinLargeAlloc:
-        return kLargeBuffer
-    return -(-size // kRoundLarge) * kRoundLarge
-
-
-def _fmt(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "unlimited"
-    return f"{nbytes / (1 << 20):.2f} MiB"
-
-
-class SimulatedOOM(MemplanError):
-    """The simulated allocator ran out of ``capacity`` even after flushing its cache.
-
-    Attributes are bytes: ``requested`` (as passed to ``malloc``), ``alloc_size`` (what the
-    failing ``cudaMalloc`` asked for), ``allocated`` and ``reserved`` (after the flush, as
-    torch reports them in its message), ``capacity`` and the ``stream``.
-    """
-
-    def __init__(self, *, requested: int, alloc_size: int, allocated: int, reserved: int,
-                 capacity: int | None, stream: int) -> None:
-        super().__init__(
-            f"simulated CUDA out of memory: tried to allocate {_fmt(alloc_size)} for a "
-            f"{requested}-byte request on stream {stream}; capacity {_fmt(capacity)}, "
-            f"{_fmt(allocated)} allocated, {_fmt(reserved - allocated)} reserved but unallocated"
-        )
-        self.requested = requested
-        self.alloc_size = alloc_size
-        self.allocated = allocated
-        self.reserved = reserved
-        self.capacity = capacity
-        self.stream = stream
-
-
-@dataclass(frozen=True)
-class AllocatorStats:
-    """A snapshot of the simulated allocator's counters; bytes are ``int``."""
-
-    allocated: int
-    """Bytes in live blocks (``allocated_bytes.all.current``; ``memory_allocated()``)."""
-    reserved: int
-    """Bytes in segments / mapped pages (``reserved_bytes.all.current``; ``memory_reserved()``)."""
-    requested: int
-    """Unrounded bytes the live blocks were requested with (``requested_bytes.all.current``)."""
-    peak_allocated: int
-    """``max_memory_allocated()`` since construction or :meth:`CachingAllocatorSim.reset_peak`."""
-    peak_reserved: int
-    """``max_memory_reserved()`` since construction or :meth:`CachingAllocatorSim.reset_peak`."""
-    peak_requested: int
-    """Peak of ``requested`` over the same window."""
-    num_segments: int
-    """Segments held now: cudaMalloc'd ones plus live expandable segments."""
-    num_allocs: int
-    """Successful non-empty ``malloc`` calls so far (``allocation.all.allocated``)."""
-    num_live_allocs: int
-    """Blocks allocated now (``allocation.all.current``)."""
-    num_device_allocs: int
-    """``cudaMalloc`` calls, or page-mapping calls with expandable segments."""
-    num_device_frees: int
-    """``cudaFree`` calls, or unmapping calls (``num_device_free``)."""
-    num_alloc_retries: int
-    """Times the whole cache was flushed to retry a failed allocation (``num_alloc_retries``)."""
-    num_ooms: int
-    """``malloc`` calls that raised :class:`SimulatedOOM` (``num_ooms``)."""
-    num_ooms_avoided_by_cache_flush: int
-    """Allocations that failed first and succeeded after releasing cached blocks."""
-
-
-class _Seg:
-    """An expandable segment: a virtual range mapped in ``page``-sized pieces."""
-
-    __slots__ = ("ptr", "size", "page")
-
-    def __init__(self, ptr: int, size: int, page: int) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.page = page
-
-
-class _Pool:
-    """Free blocks of one (pool, stream): mapped ones by (size, address), unmapped by address."""
-
-    __slots__ = ("small", "stream", "keys", "unmapped")
-
-    def __init__(self, small: bool, stream: int) -> None:
-        self.small = small
-        self.stream = stream
-        self.keys: list[int] = []  # sorted (size << _SHIFT) | ptr of free mapped blocks
-        self.unmapped: list[int] = []  # sorted ptr of unmapped blocks (expandable only)
-
-
-class _Block:
-    __slots__ = ("ptr", "size", "pool", "prev", "next", "allocated", "mapped", "seg", "requested")
-
-    def __init__(self, ptr: int, size: int, pool: _Pool, seg: _Seg | None = None,
-                 mapped: bool = True) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.pool = pool
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-        self.allocated = False
-        self.mapped = mapped
-        self.seg = seg
-        self.requested = 0
-
-
-class CachingAllocatorSim:
+class CachingAllocatorSim(Segments):
     """Replays ``malloc``/``free`` like PyTorch's CUDA caching allocator on one device.
 
     Args:
@@ -317,28 +177,7 @@ class CachingAllocatorSim:
 
         block = self._get_free_block(pool, size)
         if block is None:
-            if small:
-                alloc_size = kSmallBuffer
-            elif size < kMinLargeAlloc:
-                alloc_size = kLargeBuffer
-            else:
-                alloc_size = -(-size // kRoundLarge) * kRoundLarge
-            block = self._alloc_block(pool, size, alloc_size)
-            if block is None:
-                if (self._max_split is not None
-                        and self._release_available_cached_blocks(pool, size)):
-                    block = self._alloc_block(pool, size, alloc_size)
-                if block is None:
-                    self._release_cached_blocks()
-                    self._num_alloc_retries += 1
-                    block = self._alloc_block(pool, size, alloc_size)
-                if block is None:
-                    self._num_ooms += 1
-                    raise SimulatedOOM(requested=nbytes, alloc_size=alloc_size,
-                                       allocated=self._allocated, reserved=self._reserved,
-                                       capacity=self._capacity, stream=stream)
-                self._num_ooms_avoided += 1
-
+            block = self._new_segment(pool, size, nbytes, stream)
         # should_split + alloc_found_block
         remaining = block.size - size
         if small or self._expandable:
@@ -346,18 +185,7 @@ class CachingAllocatorSim:
         else:
             split = size < self._ms and remaining > kSmallSize
         if split:
-            rest = block
-            block = _Block(rest.ptr, size, pool, rest.seg)
-            prev = rest.prev
-            block.prev = prev
-            if prev is not None:
-                prev.next = block
-            block.next = rest
-            rest.prev = block
-            rest.ptr += size
-            rest.size = remaining
-            insort(pool.keys, (remaining << _SHIFT) | rest.ptr)
-            self._free[rest.ptr] = rest
+            block = self._split(block, pool, size, remaining)
         block.allocated = True
         block.requested = nbytes
         self._live[handle] = block
@@ -369,6 +197,48 @@ class CachingAllocatorSim:
         if self._requested > self._peak_requested:
             self._peak_requested = self._requested
         return handle
+
+    def _new_segment(self, pool: _Pool, size: int, nbytes: int, stream: int) -> _Block:
+        """A new segment for a request no free block serves: ``alloc_block``, then the
+        failure path (release cached blocks and retry), then OOM."""
+        if pool.small:
+            alloc_size = kSmallBuffer
+        elif size < kMinLargeAlloc:
+            alloc_size = kLargeBuffer
+        else:
+            alloc_size = -(-size // kRoundLarge) * kRoundLarge
+        block = self._alloc_block(pool, size, alloc_size)
+        if block is None:
+            if (self._max_split is not None
+                    and self._release_available_cached_blocks(pool, size)):
+                block = self._alloc_block(pool, size, alloc_size)
+            if block is None:
+                self._release_cached_blocks()
+                self._num_alloc_retries += 1
+                block = self._alloc_block(pool, size, alloc_size)
+            if block is None:
+                self._num_ooms += 1
+                raise SimulatedOOM(requested=nbytes, alloc_size=alloc_size,
+                                   allocated=self._allocated, reserved=self._reserved,
+                                   capacity=self._capacity, stream=stream)
+            self._num_ooms_avoided += 1
+        return block
+
+    def _split(self, rest: _Block, pool: _Pool, size: int, remaining: int) -> _Block:
+        """The first ``size`` bytes of ``rest`` as a block of their own; the remainder
+        stays free in the pool."""
+        block = _Block(rest.ptr, size, pool, rest.seg)
+        prev = rest.prev
+        block.prev = prev
+        if prev is not None:
+            prev.next = block
+        block.next = rest
+        rest.prev = block
+        rest.ptr += size
+        rest.size = remaining
+        insort(pool.keys, (remaining << _SHIFT) | rest.ptr)
+        self._free[rest.ptr] = rest
+        return block
 
     def free(self, handle: int) -> None:
         """Return the block of ``handle`` to its pool, merging it with free neighbours."""
@@ -435,47 +305,6 @@ class CachingAllocatorSim:
             num_ooms=self._num_ooms,
             num_ooms_avoided_by_cache_flush=self._num_ooms_avoided,
         )
-
-    # ------------------------------------------------------------------ free-block index
-
-    def _index_insert(self, block: _Block) -> None:
-        insort(block.pool.keys, (block.size << _SHIFT) | block.ptr)
-        self._free[block.ptr] = block
-
-    def _index_remove(self, block: _Block) -> None:
-        keys = block.pool.keys
-        del keys[bisect_left(keys, (block.size << _SHIFT) | block.ptr)]
-        del self._free[block.ptr]
-
-    def _unmapped_insert(self, block: _Block) -> None:
-        insort(block.pool.unmapped, block.ptr)
-        self._unmapped[block.ptr] = block
-
-    def _unmapped_remove(self, block: _Block) -> None:
-        lst = block.pool.unmapped
-        del lst[bisect_left(lst, block.ptr)]
-        del self._unmapped[block.ptr]
-
-    def _merge(self, dst: _Block, src: _Block) -> None:
-        """try_merge_blocks: ``src`` (free, same mapped state, neighbour) joins ``dst``.
-
-        ``dst`` must not be in an index (its key changes); ``src`` is removed from its own.
-        """
-        if src.mapped:
-            self._index_remove(src)
-        else:
-            self._unmapped_remove(src)
-        if dst.prev is src:
-            dst.ptr = src.ptr
-            dst.prev = src.prev
-            if dst.prev is not None:
-                dst.prev.next = dst
-        else:
-            dst.next = src.next
-            if dst.next is not None:
-                dst.next.prev = dst
-        dst.size += src.size
-
     # ------------------------------------------------------------------ allocation path
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
@@ -523,166 +352,6 @@ class CachingAllocatorSim:
         self._num_segments += 1
         self._num_device_allocs += 1
         return block
-
-    def _release_block(self, block: _Block) -> None:
-        self._index_remove(block)
-        self._reserved -= block.size
-        self._num_segments -= 1
-        self._num_device_frees += 1
-
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
-        ms = self._ms
-        key_size = max(size, ms)
-        keys = pool.keys
-        free = self._free
-        i = bisect_left(keys, key_size << _SHIFT)
-        if i < len(keys):
-            block = free[keys[i] & _MASK]
-            if block.seg is not None or block.prev is not None or block.next is not None:
-                return False
-            self._release_block(block)
-            return True
-        # No single block is large enough: free oversize blocks, largest first.
-        released = 0
-        j = len(keys) - 1
-        while released < key_size and j >= 0:
-            block = free[keys[j] & _MASK]
-            if block.size < ms:
-                break
-            if block.seg is None and block.prev is None and block.next is None:
-                released += block.size
-                self._release_block(block)
-            j -= 1
-        return released >= key_size
-
-    def _release_cached_blocks(self) -> None:
-        # release_blocks(large_blocks) then release_blocks(small_blocks), every stream.
-        pools = sorted(self._pools.values(), key=lambda p: (p.small, p.stream))
-        free = self._free
-        for pool in pools:
-            to_unmap = []
-            for key in list(pool.keys):
-                block = free[key & _MASK]
-                if block.seg is not None:
-                    to_unmap.append(block)
-                elif block.prev is None and block.next is None:
-                    self._release_block(block)
-            for block in to_unmap:
-                self._unmap_block(block)
-                if not block.mapped and block.prev is None and block.next is None:
-                    self._unmapped_remove(block)  # release_expandable_segment
-                    self._num_segments -= 1
-
-    # ------------------------------------------------------------------ expandable segments
-
-    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
-        candidate = self._find_expandable_block(pool, size)
-        if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
-            return None
-        while candidate.size < size:
-            nxt = candidate.next
-            assert nxt is not None and not nxt.mapped
-            if not self._map_block(nxt, min(size - candidate.size, nxt.size)):
-                return None
-            candidate = nxt  # map_block merged the old candidate into it
-        self._index_remove(candidate)
-        return candidate
-
-    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
-        unmapped = self._unmapped
-        for ptr in pool.unmapped:
-            c = unmapped[ptr]
-            if c.prev is not None and not c.prev.allocated:
-                c = c.prev
-            avail = 0
-            b: _Block | None = c
-            while avail < size and b is not None and not b.allocated:
-                avail += b.size
-                b = b.next
-            if avail >= size:
-                return c
-        page = kSmallBuffer if pool.small else kLargeBuffer
-        va = -(-self._va_size // page) * page
-        seg = _Seg(self._next_addr, va, page)
-        self._next_addr += va
-        self._num_segments += 1
-        candidate = _Block(seg.ptr, va, pool, seg, mapped=False)
-        self._unmapped_insert(candidate)
-        return candidate
-
-    def _map_block(self, block: _Block, size: int) -> bool:
-        seg = block.seg
-        assert seg is not None and not block.mapped and size <= block.size
-        page = seg.page
-        offset = block.ptr - seg.ptr  # unmapped blocks start on a page boundary
-        nbytes = -(-(offset + size) // page) * page - offset
-        cap = self._capacity
-        if cap is not None and self._reserved + nbytes > cap:
-            return False  # cuMemCreate fails; torch releases this call's pages
-        self._unmapped_remove(block)
-        block.mapped = True
-        if nbytes < block.size:
-            rest = _Block(block.ptr + nbytes, block.size - nbytes, block.pool, seg, mapped=False)
-            rest.prev = block
-            rest.next = block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = nbytes
-            self._unmapped_insert(rest)
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.mapped:
-            self._merge(block, prev)
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.mapped:
-            self._merge(block, nxt)
-        self._index_insert(block)
-        self._reserved += nbytes
-        if self._reserved > self._peak_reserved:
-            self._peak_reserved = self._reserved
-        self._num_device_allocs += 1
-        return True
-
-    def _unmap_block(self, block: _Block) -> None:
-        seg = block.seg
-        assert seg is not None
-        page = seg.page
-        lo = block.ptr - seg.ptr
-        hi = lo + block.size
-        begin = -(-lo // page) * page
-        end = hi // page * page
-        if begin >= end:
-            return
-        self._index_remove(block)
-        pool = block.pool
-        if begin > lo:
-            before = _Block(block.ptr, begin - lo, pool, seg)
-            before.prev = block.prev
-            if block.prev is not None:
-                block.prev.next = before
-            before.next = block
-            block.prev = before
-            self._index_insert(before)
-        if hi > end:
-            after = _Block(seg.ptr + end, hi - end, pool, seg)
-            after.next = block.next
-            if block.next is not None:
-                block.next.prev = after
-            after.prev = block
-            block.next = after
-            self._index_insert(after)
-        block.ptr = seg.ptr + begin
-        block.size = end - begin
-        block.mapped = False
-        prev = block.prev
-        if prev is not None and not prev.allocated and not prev.mapped:
-            self._merge(block, prev)
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and not nxt.mapped:
-            self._merge(block, nxt)
-        self._unmapped_insert(block)
-        self._reserved -= end - begin
-        self._num_device_frees += 1
 
 
 def simulate(events: Iterable[tuple[Hashable, int] | tuple[Hashable, int, int]], *,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._config import TrainConfig
-from .._estimate import Estimator, replay_sizes
+from .._estimate import Estimator
+from ._replay import replay_sizes
 from ..tracing._trace import Category
 
 __all__ = ["Timeline", "predicted_timeline"]

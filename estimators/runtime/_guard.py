@@ -27,12 +27,9 @@ the op's outputs (so they are freed as the exception unwinds) and raises
 ``max_memory_allocated`` never counts the allocation that failed.
 
 Overhead: one Python call per aten op, and it is PyTorch's Python-dispatch machinery that
-costs, not the counting (a no-op ``TorchDispatchMode`` measured the same). Measured on this
-2-core machine while other jobs kept the load average at 3.5-6 (``import torch`` took 5-8 s
-instead of an idle machine's 1.5-2 s), on one thread: 36-100 µs per op; a small MLP's step
-(64-256-10, batch 32, AdamW, 77 ops, ~2-3.5 ms) took +136% to +273%;
-``examples/tiny_gpt.py`` at batch 8 (927 ops, ~0.66 s per step) +14%. The larger the ops,
-the smaller the share. ``python -m estimators.runtime._guard`` re-measures the MLP figure.
+costs, not the counting (a no-op ``TorchDispatchMode`` measured the same): tens of µs per op,
+so small models' steps slow down most (``benchmarks/guard_overhead.py`` measures a small
+MLP's step; figures in ``benchmarks/results/guard_overhead.md``).
 
 Known limitations: kernel scratch memory that never becomes a tensor (oneDNN reorders, sort
 buffers) is not counted — budgets should keep a margin, as the planner's does; tensors made
@@ -54,7 +51,6 @@ Example:
 
 from __future__ import annotations
 
-import random
 import weakref
 from typing import Any, Callable, Iterable, Literal
 
@@ -65,22 +61,11 @@ from torch.utils._pytree import tree_flatten
 
 from .._errors import ConfigError
 from .._units import format_size
+from ._injection import _EagerMode, _Injection, _InjectionMode, _op_name, pick_op
 
-__all__ = ["MemoryGuard", "OOMInjector"]
+__all__ = ["MemoryGuard"]
 
 GuardDevice = Literal["cpu", "cuda"]
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine is running a backward node in this thread."""
-    return torch._C._current_autograd_node() is not None
-
-
-def _op_name(func: Any) -> str:
-    try:
-        return str(func._overloadpacket)
-    except AttributeError:  # pragma: no cover - every aten op has one
-        return str(func)
 
 
 def _out_tensors(out: Any) -> list[torch.Tensor]:
@@ -106,108 +91,6 @@ def _aliased_returns(func: Any) -> bool | tuple[bool, ...]:
     if not flags or all(flags) == any(flags):
         return bool(flags) and flags[0]
     return flags
-
-
-class _Injection:
-    """Counts ops and says when to fail; shared by the guard and :class:`OOMInjector`."""
-
-    __slots__ = ("after_ops", "phase", "times", "seen", "fired", "label")
-
-    def __init__(self, after_ops: int, phase: str | None, times: int) -> None:
-        if after_ops < 1:
-            raise ConfigError(f"after_ops must be >= 1, got {after_ops}")
-        self.after_ops = after_ops
-        self.phase = phase
-        self.times = times
-        self.seen = 0
-        self.fired = 0
-        self.label = "forward"
-
-    def current_phase(self) -> str:
-        return "backward" if _in_backward() else self.label
-
-    def check(self, func: Any) -> None:
-        if self.fired >= self.times:
-            return
-        if self.phase is not None and self.phase not in self.current_phase():
-            return
-        self.seen += 1
-        if self.seen >= self.after_ops:
-            self.fired += 1
-            self.seen = 0
-            raise torch.OutOfMemoryError(
-                f"memplan OOM injector: out of memory (injected before op {self.after_ops} "
-                f"{_op_name(func)}{' in ' + self.current_phase() if self.phase else ''})"
-            )
-
-
-def _pick_op(seed: int, max_ops: int) -> int:
-    return random.Random(seed).randint(1, max_ops)
-
-
-class _EagerMode(TorchDispatchMode):
-    """A dispatch mode whose ``__torch_dispatch__`` is not wrapped in ``torch._dynamo.disable``.
-
-    The wrapper would import ``torch._dynamo`` on the first op (seconds on a small machine,
-    paid by every probe process) and add a call layer to every op. Without it, a
-    ``torch.compile``d function called under the mode still runs (eagerly, op by op).
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-
-class OOMInjector(_EagerMode):
-    """Raises ``torch.OutOfMemoryError`` before the ``after_ops``-th op (a test hook).
-
-    Works on any device (it allocates nothing and counts nothing but ops). ``phase``
-    restricts counting to ops of one phase: ``"backward"`` is recognised by itself (ops run
-    by the autograd engine); any other phase matches :attr:`phase_label`, which a training
-    loop may set (``"forward"`` by default, e.g. ``"optimizer"``). With ``seed`` instead of
-    ``after_ops`` the op is drawn uniformly from ``1..max_ops``, reproducibly. It fires
-    ``times`` times (once by default: then recovery can proceed under the same injector).
-
-    Example:
-        >>> import torch
-        >>> with OOMInjector(after_ops=2) as inj:
-        ...     a = torch.ones(3)
-        ...     try:
-        ...         b = a + 1
-        ...     except torch.OutOfMemoryError:
-        ...         print("injected", inj.fired)
-        injected 1
-    """
-
-    def __init__(self, after_ops: int | None = None, *, phase: str | None = None,
-                 seed: int | None = None, max_ops: int = 200, times: int = 1) -> None:
-        super().__init__()
-        if after_ops is None:
-            if seed is None:
-                raise ConfigError("OOMInjector needs after_ops=N or seed=S (a random op in 1..max_ops)")
-            after_ops = _pick_op(seed, max_ops)
-        self._inj = _Injection(after_ops, phase, times)
-
-    @property
-    def after_ops(self) -> int:
-        return self._inj.after_ops
-
-    @property
-    def fired(self) -> int:
-        """How many OOMs were raised so far."""
-        return self._inj.fired
-
-    @property
-    def phase_label(self) -> str:
-        return self._inj.label
-
-    @phase_label.setter
-    def phase_label(self, label: str) -> None:
-        self._inj.label = label
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        self._inj.check(func)
-        return func(*args, **(kwargs or {}))
 
 
 class _GuardMode(_EagerMode):
@@ -427,18 +310,18 @@ class MemoryGuard:
         ``phase="backward"`` counts only ops the autograd engine runs; other phases match
         :attr:`phase` (set it from the training loop: ``"forward"`` by default). ``seed``
         draws the op from ``1..max_ops`` reproducibly. ``after_ops=None`` without a seed
-        disarms. On cuda, arm it before entering the guard (or use :class:`OOMInjector`).
+        disarms. On cuda, arm it before entering the guard.
         """
         if after_ops is None and seed is None:
             self._injection = None
             return
         if self.device.type == "cuda" and self._active and self._mode is None:
-            raise ConfigError("on cuda, call guard.inject() before entering the guard, or use OOMInjector")
+            raise ConfigError("on cuda, call guard.inject() before entering the guard")
         if after_ops is None:
-            after_ops = _pick_op(seed, max_ops)  # type: ignore[arg-type]
+            after_ops = pick_op(seed, max_ops)  # type: ignore[arg-type]
         self._injection = _Injection(after_ops, phase, times)
         self._injection.label = self._phase_label
-        if isinstance(self._mode, OOMInjector):
+        if isinstance(self._mode, _InjectionMode):
             self._mode._inj = self._injection
 
     @property
@@ -464,9 +347,7 @@ class MemoryGuard:
         if self.device.type == "cuda":
             self._apply_cuda_fraction()
             if self._injection is not None:
-                inj = OOMInjector(after_ops=self._injection.after_ops)
-                inj._inj = self._injection
-                self._mode = inj
+                self._mode = _InjectionMode(self._injection)
         else:
             self._mode = _GuardMode(self)
         if self._mode is not None:
@@ -491,66 +372,3 @@ class MemoryGuard:
     def __repr__(self) -> str:
         return (f"MemoryGuard(budget={format_size(self._budget)}, live={format_size(self.live_bytes)}, "
                 f"peak={format_size(self.peak_bytes)}, device={self.device.type!r})")
-
-
-def _benchmark(repeats: int = 7, steps: int = 50) -> dict[str, float]:
-    """Median time of a small MLP's training step (64-256-10, batch 32, AdamW) with and
-    without a guard, on one thread. ``python -m estimators.runtime._guard`` prints it."""
-    import statistics
-    import time
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-    opt = torch.optim.AdamW(model.parameters())
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-
-    def step() -> None:
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def run() -> float:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - start) / steps
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(5):
-            step()
-        guard = MemoryGuard(10**12)
-        guard.track([model, opt, x, y])
-        with guard:
-            step()
-        plain, guarded = [], []
-        for _ in range(repeats):  # interleaved, so that load changes hit both alike
-            plain.append(run())
-            with guard:
-                guarded.append(run())
-        n_ops = _count_ops(step)
-    finally:
-        torch.set_num_threads(threads)
-    p, g = statistics.median(plain), statistics.median(guarded)
-    return {"plain_ms": p * 1e3, "guarded_ms": g * 1e3, "overhead": g / p - 1,
-            "ops_per_step": n_ops, "us_per_op": (g - p) / n_ops * 1e6}
-
-
-def _count_ops(fn: Callable[[], None]) -> int:
-    class _Count(_EagerMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count() as c:
-        fn()
-    return c.n
-
-
-if __name__ == "__main__":
-    r = _benchmark()
-    print(f"small MLP step: {r['plain_ms']:.2f} ms plain, {r['guarded_ms']:.2f} ms guarded "
-          f"(+{r['overhead'] * 100:.0f}%); {r['ops_per_step']} ops/step, {r['us_per_op']:.1f} us/op")

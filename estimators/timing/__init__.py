@@ -1,1 +1,2 @@
-"""From a trace to seconds: the roofline per op and the collectives' cost."""
+"""From a trace to seconds: the roofline per op, the CPU's measured rates, the probes'
+calibration and the collectives' cost."""

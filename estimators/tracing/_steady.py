@@ -77,6 +77,28 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
         if a in host:
             host.add(copy_of[a])
 
+    out_alloc, out_sign, out_phase, n_before_end, copied_before = _repeat_events(
+        raw, events, in_step, transient, copy_of, last, shift)
+    ops, positions, workspace = _repeat_ops(raw, first, last, shift, survivors, n_before_end, copied_before)
+    return RawEvents(
+        alloc_bytes=alloc_bytes,
+        alloc_category=alloc_category,
+        event_alloc=out_alloc,
+        event_sign=out_sign,
+        event_phase=out_phase,
+        phase_labels=new_labels,
+        ops=ops,
+        op_positions=positions,
+        host=sorted(host),
+        op_workspace=workspace,
+    )
+
+
+def _repeat_events(raw: RawEvents, events: list[tuple[int, int, int]], in_step: list[bool], transient: set[int],
+                   copy_of: dict[int, int], last: int, shift: int
+                   ) -> tuple[list[int], list[int], list[int], int, list[int]]:
+    """The events with step 1's transient allocations made and freed again as step 2, before
+    the "end" phase; and where step 2 starts and how many events were copied before each."""
     # Events: everything up to the end of step 1, then the copy, then the "end" phase.
     n_before_end = max((k + 1 for k, (_, _, ph) in enumerate(events) if ph <= last), default=0)
     out_alloc = list(raw.event_alloc[:n_before_end])
@@ -91,13 +113,18 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
             out_alloc.append(copy_of[a])
             out_sign.append(s)
             out_phase.append(ph + shift)
-    n_copied = copied_before[-1]
     for a, s, ph in events[n_before_end:]:  # the "end" phase, after the copy
         out_alloc.append(a)
         out_sign.append(s)
         out_phase.append(ph + shift)
+    return out_alloc, out_sign, out_phase, n_before_end, copied_before
 
-    # Ops: step 1's again, less those that only created surviving state.
+
+def _repeat_ops(raw: RawEvents, first: int, last: int, shift: int, survivors: set[int], n_before_end: int,
+                copied_before: list[int]) -> tuple[list[Any], list[int], list[int] | None]:
+    """Ops, their event positions and workspaces: step 1's again as step 2, less those that
+    only created surviving state."""
+    n_copied = copied_before[-1]
     ops_before, pos_before, ops_step2, pos_step2, ops_after, pos_after = [], [], [], [], [], []
     src_before, src_step2, src_after = [], [], []  # each op's index in ``raw.ops``
     for k, (op, pos) in enumerate(zip(raw.ops, raw.op_positions)):
@@ -117,18 +144,7 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
     workspace = raw.op_workspace
     if workspace is not None:
         workspace = [workspace[k] for k in src_before + src_step2 + src_after]
-    return RawEvents(
-        alloc_bytes=alloc_bytes,
-        alloc_category=alloc_category,
-        event_alloc=out_alloc,
-        event_sign=out_sign,
-        event_phase=out_phase,
-        phase_labels=new_labels,
-        ops=ops_before + ops_step2 + ops_after,
-        op_positions=pos_before + pos_step2 + pos_after,
-        host=sorted(host),
-        op_workspace=workspace,
-    )
+    return ops_before + ops_step2 + ops_after, pos_before + pos_step2 + pos_after, workspace
 
 
 def _only_made(raw: RawEvents, new_bytes: int, pos: int, survivors: set[int]) -> bool:

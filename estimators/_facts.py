@@ -1,0 +1,33 @@
+"""What an estimate needs of the model itself: parameter counts, FSDP2 units, DDP buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._task import Task
+from .memory._distributed import FsdpUnits, ddp_bucket_bytes, fsdp_units
+from .runtime._checkpoint import find_block_stack
+from .tracing._trace import _fake_mode, build_fake_model
+
+__all__ = ["ModelFacts", "model_facts"]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    params: int
+    trainable: int
+    units: FsdpUnits
+    ddp_buckets: tuple[int, ...]
+
+
+def model_facts(task: Task) -> ModelFacts:
+    """Parameter counts, FSDP2 units and DDP buckets, from a fake copy of the model."""
+    model = build_fake_model(task, _fake_mode())
+    distinct = list(dict.fromkeys(model.parameters()))
+    find_block_stack(model, task.checkpoint_blocks)
+    return ModelFacts(
+        params=sum(p.numel() for p in distinct),
+        trainable=sum(p.numel() for p in distinct if p.requires_grad),
+        units=fsdp_units(model, task.checkpoint_blocks),
+        ddp_buckets=tuple(ddp_bucket_bytes(model)),
+    )

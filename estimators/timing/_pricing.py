@@ -1,0 +1,99 @@
+"""Pricing prepared events: a step's seconds from its op costs, probes and communication.
+
+The roofline (``_timing.step_time_parts``) gives a step's uncalibrated parts; the probes so
+far refit them (``TimeCalibration``); exposed communication (``_comm``), which probes on one
+device cannot measure, is added after calibration. A prediction keeps its parts
+(``Estimate.time_parts``) so that it can be recalibrated, and calibrate, without its trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from .._config import TrainConfig
+from .._gpus import GPUSpec
+from .._facts import ModelFacts
+from ..memory._prepare import Prepared
+from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
+from ._calibration import TimeCalibration
+from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
+
+__all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
+
+CALIBRATED = "step time calibrated on "
+
+
+@dataclass(frozen=True)
+class Price:
+    """A step's predicted seconds, its uncalibrated parts and the notes that explain it."""
+
+    seconds: float
+    time_parts: dict[str, float]
+    notes: tuple[str, ...]
+
+
+def calibrated_note(points: int) -> str:
+    return f"{CALIBRATED}{points} probe(s)"
+
+
+def stored_parts(time_parts: Mapping[str, Any] | None) -> StepTimeParts | None:
+    """The uncalibrated step-time parts a prediction carries (``Estimate.time_parts``)."""
+    stored = time_parts
+    if stored is None or "overhead" not in stored:
+        return None
+    work = {k: float(v) for k, v in stored.items() if k not in ("overhead", "fixed")}
+    return StepTimeParts(float(stored["overhead"]), work)
+
+
+def step_seconds(parts: StepTimeParts, fixed: float, calibration: TimeCalibration) -> tuple[float, str | None]:
+    """A step's seconds from its uncalibrated parts, refitted by the probes so far, plus
+    ``fixed`` (communication, which probes do not measure); and the note saying it was
+    calibrated (None without probes)."""
+    points = len(calibration.points)
+    seconds = parts.total_s + calibration.correction(parts) + fixed
+    return seconds, calibrated_note(points) if points else None
+
+
+def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: TimeCalibration,
+          facts: ModelFacts, spec: GPUSpec | None) -> Price:
+    """One optimizer step of ``config`` on the target of ``rates``, from ``p``'s op costs."""
+    parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, rates)
+    comm = _comm_time(config, p, facts, spec, rates)
+    # Added after calibration: probes run on one device and measure no communication.
+    fixed = comm.exposed_s if comm is not None else 0.0
+    seconds, calibrated = step_seconds(parts, fixed, calibration)
+    notes = [calibrated] if calibrated is not None else []
+    if comm is not None:
+        notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
+                     f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
+    return Price(seconds, {"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed}, tuple(notes))
+
+
+def _comm_time(config: TrainConfig, p: Prepared, facts: ModelFacts, spec: GPUSpec | None,
+               rates: DeviceRates) -> CommTime | None:
+    """Collectives of one optimizer step and the part backward and forward do not hide."""
+    if config.strategy == "single" or config.world_size == 1:
+        return None
+    link = ring_bandwidth(spec, config.nodes)
+    forward_s = _pass_time(p, "forward", rates)
+    backward_s = _pass_time(p, "backward", rates)
+    if config.strategy == "ddp":
+        return ddp_comm(facts.ddp_buckets, backward_s, config, link)
+    # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32.
+    param_bytes = 2 if config.precision != "fp32" else 4
+    return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, 4,
+                     forward_s, backward_s, config, link)
+
+
+def _pass_time(p: Prepared, kind: str, rates: DeviceRates) -> float:
+    """Compute time of one steady-state micro-batch's forward or backward pass."""
+    costs = p.op_costs()
+    keep = np.asarray([p.phase_labels[int(ph)].endswith(kind) for ph in costs.phase], dtype=bool)
+    if not keep.any():
+        return 0.0
+    subset = OpCosts(costs.flops[keep], costs.bytes_moved[keep], [d for d, k in zip(costs.dtype, keep) if k],
+                     costs.phase[keep], [n for n, k in zip(costs.names, keep) if k])
+    return step_time(subset, p.phase_labels, 1, rates)
