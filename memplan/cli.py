@@ -96,7 +96,7 @@ class ProbeCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from estimators import parse_size, resolve_target
-        from estimators.probing._probe import probe
+        from estimators import probe
         config = _config_from(args)
         if args.gpu is not None:
             from estimators import ConfigError
@@ -213,7 +213,7 @@ class PlanCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import layout_kwargs
-        from ._search import search
+        from .planning import search
         gpus, nodes = _layout(args)
         if args.plot:
             from ._plots import require_matplotlib
@@ -303,7 +303,7 @@ class FitCommand:
     def run(self, args: argparse.Namespace) -> int:
         from estimators import ConfigError
         from ._fit import layout_kwargs, resumed_plan, train_plan
-        from ._search import resolve_task, search
+        from .planning import resolve_task, search
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
         gpus, nodes = _layout(args)
         nproc = parse_count(args.nproc, what="--nproc") if args.nproc else None
@@ -346,7 +346,7 @@ class TrainCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import train_plan
-        from ._plan import Plan
+        from .planning import Plan
         task = load_task(args.model)
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
