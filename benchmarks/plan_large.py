@@ -65,10 +65,10 @@ def main() -> None:
                               precisions=args.precision, global_batch=args.global_batch, progress=False)
         wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    from memplan import _search
+    from memplan.planning import _inputs
     # Every trace the estimator holds, including those its worker process made (not counted
     # by the wrapper above, which runs in this process only).
-    held = sum(len(est._traces._prepared) for est in _search._ESTIMATORS.get(task, {}).values())
+    held = sum(len(est._traces._prepared) for est in _inputs._ESTIMATORS.get(task, {}).values())
     lines = [
         f"# Plan for a {args.size.upper()} Llama-style model on {args.gpus} x {args.gpu}"
         + (f" x {args.nodes} nodes" if args.nodes > 1 else ""),

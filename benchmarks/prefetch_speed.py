@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
 from estimators.runtime._checkpoint import max_checkpoint_segments  # noqa: E402
-from memplan import _search  # noqa: E402
-from memplan._space import build_space  # noqa: E402
+from memplan.planning._inputs import meta_model  # noqa: E402
+from memplan.planning._space import build_space  # noqa: E402
 
 MODELS = {
     "gpt_tied": ROOT / "benchmarks" / "models" / "gpt_tied.py",
@@ -43,7 +43,7 @@ def run_once(path: Path, device: str | None, gpu: str | None, precisions: tuple[
     task = load_task(str(path))
     estimator = Estimator(task, device=device, gpu=gpu)
     space = build_space(dataset_size=task.dataset_size(), global_batch=int(task.settings["global_batch"]),
-                        precisions=precisions, max_segments=max_checkpoint_segments(_search._meta_model(task),
+                        precisions=precisions, max_segments=max_checkpoint_segments(meta_model(task),
                                                                                       task.checkpoint_blocks),
                         max_micro_batch=None)
     start = time.perf_counter()

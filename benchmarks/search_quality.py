@@ -4,7 +4,7 @@ Per model and budget:
 
 * search: ``memplan.search(path, vram=budget, global_batch=G, precisions=P, probe_top=2)``
   with default trials, timed (search cost; a fresh MEMPLAN_CACHE_DIR so no study resumes);
-* grid: every configuration of the same space (``memplan._space.build_space`` with the
+* grid: every configuration of the same space (``memplan.planning._space.build_space`` with the
   arguments search uses) probed (``estimators.probing._probe.probe``, steps=5, warmup=2) with the
   budget enforced (``budget_bytes = budget * (1 - margin)``), timed (grid cost);
 * quality: the chosen plan's measured throughput as a % of the grid's best feasible one
@@ -58,8 +58,9 @@ from estimators import Estimator, TrainConfig, load_task  # noqa: E402
 from estimators.runtime._checkpoint import max_checkpoint_segments  # noqa: E402
 from estimators.probing._probe import probe  # noqa: E402
 from estimators.probing._race import race  # noqa: E402
-from memplan import _search  # noqa: E402
-from memplan._space import build_space  # noqa: E402
+from memplan.planning import search  # noqa: E402
+from memplan.planning._inputs import meta_model  # noqa: E402
+from memplan.planning._space import _precisions, build_space  # noqa: E402
 
 MODELS = {
     "digits": ROOT / "examples" / "digits.py",
@@ -145,8 +146,8 @@ def run_model(name: str, path: Path, global_batch: int, precisions: tuple[str, .
     space = build_space(
         dataset_size=task.dataset_size() if task.train_data is not None else None,
         global_batch=global_batch,
-        precisions=_search._precisions(est, precisions),
-        max_segments=max_checkpoint_segments(_search._meta_model(task), task.checkpoint_blocks),
+        precisions=_precisions(est, precisions),
+        max_segments=max_checkpoint_segments(meta_model(task), task.checkpoint_blocks),
         max_micro_batch=None,
     )
     configs = list(space)
@@ -189,8 +190,8 @@ def run_model(name: str, path: Path, global_batch: int, precisions: tuple[str, .
         best = max(feasible, key=lambda c: throughput(space.global_batch, grid[c]["step_s"]))
         best_tp = throughput(space.global_batch, grid[best]["step_s"])
         t1 = time.perf_counter()
-        plan = _search.search(str(path), vram=budget, global_batch=global_batch, precisions=list(precisions),
-                              probe_top=2, margin=MARGIN)
+        plan = search(str(path), vram=budget, global_batch=global_batch, precisions=list(precisions),
+                      probe_top=2, margin=MARGIN)
         search_s = time.perf_counter() - t1
         chosen = plan.best.config
         probed_in_search = plan.best.measured is not None

@@ -11,15 +11,14 @@ from estimators import (
     TrainConfig, TrainingError, estimate, format_size, load_task, parse_size,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from ._doctor import doctor  # noqa: E402
-from ._fit import fit, train_plan  # noqa: E402 - the version is read by provenance()
+from ._fit import fit, train_plan  # noqa: E402
 from ._launch import LaunchSpec, launch_training  # noqa: E402
 from ._lr_find import lr_find  # noqa: E402
-from ._plan import Plan, PlanEntry  # noqa: E402
+from .planning import Plan, PlanEntry, search  # noqa: E402
 from ._recovery import keep_global_batch  # noqa: E402
-from ._search import search  # noqa: E402
 from ._trainer import TrainOptions, TrainResult, train  # noqa: E402
 from . import nn  # noqa: E402 - memplan.nn: init_weights and DropPath for model files
 

@@ -11,12 +11,10 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
-from estimators import ConfigError, Task, parse_size
-from estimators.runtime._guard import MemoryGuard
+from estimators import ConfigError, MemoryGuard, Task, parse_size
 
 from ._launch import LaunchSpec, launch_training
-from ._plan import Plan
-from ._search import resolve_task, search
+from .planning import Plan, resolve_task, search
 from ._trainer import TrainOptions, TrainResult, train
 
 __all__ = ["fit", "train_plan"]

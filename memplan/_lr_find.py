@@ -24,8 +24,10 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from estimators import ConfigError, Task, TrainConfig, load_task, normalize_precision, parse_count
-from estimators.runtime._precision import backward, forward_context, make_grad_scaler, optimizer_step
+from estimators import (
+    ConfigError, Task, TrainConfig, backward, forward_context, load_task, make_grad_scaler, normalize_precision,
+    optimizer_step, parse_count,
+)
 
 __all__ = ["LrFindResult", "lr_find", "suggest", "add_lr_find_arguments", "run_lr_find"]
 
@@ -169,7 +171,7 @@ def run_lr_find(args: argparse.Namespace) -> int:
     import json
     config: TrainConfig | None = None
     if args.plan:
-        from ._plan import Plan
+        from .planning import Plan
         config = Plan.load(args.plan).config
     batch = parse_count(args.batch_size, what="--batch-size") if args.batch_size else (config.micro_batch_size if config else None)
     precision = args.precision or (config.precision if config else "fp32")

@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from estimators import ConfigError, Estimate, format_size
-from estimators.tracing._trace import Category
+from estimators import Category, ConfigError, Estimate, format_size
 
 if TYPE_CHECKING:
-    from estimators.memory._timeline import Timeline
+    from estimators import Timeline
 
-    from ._plan import Plan
+    from .planning._plan import Plan
 
 __all__ = ["require_matplotlib", "plot_timeline", "PlanPoint", "plan_points", "pareto_front", "plot_plan",
            "figure_png", "save_figure", "timeline_figure", "plan_figure", "record_plan_plot"]

@@ -3,9 +3,7 @@ snapshot PyTorch's memory viewer opens."""
 
 from __future__ import annotations
 
-from estimators import Estimator, TrainConfig, format_size, parse_size
-from estimators.memory._snapshot import write_snapshot
-from estimators.memory._timeline import predicted_timeline
+from estimators import Estimator, TrainConfig, format_size, parse_size, predicted_timeline, write_snapshot
 
 __all__ = ["write_timeline_outputs"]
 

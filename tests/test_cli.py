@@ -118,7 +118,7 @@ DDP_PLAN_CONFIG = {"micro_batch_size": 2, "grad_accum_steps": 1, "precision": "f
 
 def _ddp_plan(tmp_path) -> str:
     from estimators import Estimate, TrainConfig
-    from memplan._plan import Plan, PlanEntry
+    from memplan.planning import Plan, PlanEntry
 
     c = TrainConfig(**DDP_PLAN_CONFIG)
     est = Estimate(config=c, device="cpu", gpu=None, peak_allocated_bytes=10**6, peak_reserved_bytes=None,
@@ -207,7 +207,7 @@ def test_fit_resume_trains_the_saved_plan_without_searching(write_model, tmp_pat
     assert code == 0, err
     saved = json.loads((out / "plan.json").read_text())["entries"][0]["config"]
 
-    import memplan._search as search_module
+    import memplan.planning as search_module
 
     def no_search(*args, **kwargs):
         raise AssertionError("a resumed fit must not search")

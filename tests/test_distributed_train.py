@@ -172,7 +172,7 @@ def test_rank_shares_are_distributed_sampler_order() -> None:
 def write_plan(path: Path, *configs: TrainConfig, budget: int = 10**9) -> Path:
     """A hand-made plan: the configurations in order (the first is trained, the rest its ladder)."""
     from estimators import Estimate
-    from memplan._plan import Plan, PlanEntry
+    from memplan.planning import Plan, PlanEntry
 
     entries = tuple(
         PlanEntry(config=c, predicted=Estimate(

@@ -10,8 +10,8 @@ import torch.nn as nn
 from estimators import Estimator, ModelFileError, Task, TrainConfig
 from estimators.timing._timing import DeviceRates
 from memplan import Plan, search
-from memplan._failures import contrast
-from memplan._space import build_space
+from memplan.planning._failures import contrast
+from memplan.planning._space import build_space
 
 _PINNED_RATES = DeviceRates("pinned-cpu", {"float32": 8e10, "bfloat16": 1e10, "float16": 3e9}, 2e10, 1.5e-5, {})
 
@@ -202,8 +202,8 @@ def test_a_model_whose_states_cannot_fit_is_refused_without_a_trace(monkeypatch)
     assert "400,100,004 parameters and their gradients alone need 3.20 GB" in message and "--vram 4GB" in message
     assert traced == [] and info.value.needed_bytes == 2 * 4 * 400_100_004
     # Sharded over 8 FSDP2 ranks the floor is an eighth: it is searched, not refused at once.
-    from memplan._search import _model_state_floor
-    from memplan._space import layouts_for
+    from memplan.planning._refusal import _model_state_floor
+    from memplan.planning._space import layouts_for
     space = build_space(dataset_size=None, global_batch=8, precisions=("fp32",), max_segments=0,
                         layouts=layouts_for(8, 1))
     with torch.device("meta"):

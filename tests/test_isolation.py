@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from memplan._search import default_storage
+from memplan.planning import default_storage
 
 
 def test_the_cache_folder_is_a_temporary_one(tmp_path_factory):

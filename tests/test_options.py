@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Task, load_task
-from memplan import cli
+from memplan import _cli_commands, cli
 from memplan._options import option_specs, read_config, resolve_options
 
 MODEL = '''
@@ -104,7 +104,7 @@ def _cli_options(argv: list[str], task: Task):
     assert not extra
     if args.config:
         cli._apply_config(args, cli._SUBPARSERS[args.command], argv)
-    return cli._train_options(args, "cpu", task)
+    return _cli_commands._train_options(args, "cpu", task)
 
 
 SPECS = option_specs()

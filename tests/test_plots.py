@@ -151,7 +151,7 @@ def test_missing_matplotlib_is_one_line_naming_the_extra(task, tmp_path, capsys,
 
 def test_plan_plot_marks_infeasible_chosen_and_the_front(task, tmp_path, closing):
     from memplan._plots import PlanPoint, pareto_front
-    from memplan._search import search
+    from memplan.planning import search
 
     estimator = closing(task, device="cpu")
     small = estimator.estimate(TrainConfig(micro_batch_size=8, grad_accum_steps=32), exact=True).peak_allocated_bytes

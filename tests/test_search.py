@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from estimators import NoFeasiblePlanError, Task, TrainConfig
 from memplan import Plan, search
-from memplan._space import build_space
+from memplan.planning._space import build_space
 
 from estimators.timing._timing import DeviceRates
 from test_estimator import TinyLM, lm_task  # noqa: E402
@@ -176,7 +176,7 @@ def test_probes_rank_measured_first_and_drop_ooms():
 
 
 def test_layouts_for_devices_and_nodes():
-    from memplan._space import layouts_for
+    from memplan.planning._space import layouts_for
     assert [lay.key for lay in layouts_for()] == ["single"]
     assert [lay.key for lay in layouts_for(8)] == ["ddp x8", "fsdp x8"]
     assert [lay.key for lay in layouts_for(8, 2, ("fsdp",))] == ["fsdp x16 on 2 nodes"]
@@ -188,7 +188,7 @@ def test_layouts_for_devices_and_nodes():
 
 
 def test_space_splits_the_fixed_global_batch_over_the_ranks():
-    from memplan._space import layouts_for
+    from memplan.planning._space import layouts_for
     space = build_space(dataset_size=1000, global_batch=32, precisions=("fp32",), max_segments=0,
                         layouts=layouts_for(4))
     # Every micro-batch size is valid for every layout: micro x accumulation x 4 ranks = 32.
@@ -242,7 +242,7 @@ def test_search_for_two_devices_splits_the_global_batch_and_shards():
 
 
 def test_probes_cover_each_precision_early():
-    from memplan._search import _probe_order
+    from memplan.planning._probes import _probe_order
     from memplan import PlanEntry
     plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=0)
     order = _probe_order(list(plan.entries))
@@ -283,7 +283,7 @@ def test_interrupted_search_keeps_its_trials_and_resumes(tmp_path, monkeypatch):
 def test_study_writes_through_in_batches(tmp_path):
     import optuna
 
-    from memplan._study import MirroredStudy
+    from memplan.planning._study import MirroredStudy
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     mirrored = MirroredStudy(name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0),
                              tuned_sqlite=True, flush_s=0.0)
@@ -526,8 +526,8 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
 
     # A walk step won by under 5% is kept, but not followed further (micro-batch 8 lost to
     # 4 x2; 2 x4 then wins by 3%, and 1 x8 is not raced).
-    from memplan._plan import PlanEntry
-    from memplan._search import _follow_trend
+    from memplan.planning import PlanEntry
+    from memplan.planning._races import _follow_trend
     est = Estimator(lm(), device="cpu")
     m8, m4, m2, m1 = (TrainConfig(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2, 1))
     entry = {c: PlanEntry(config=c, predicted=est.estimate(c)) for c in (m8, m4, m2, m1)}
@@ -565,7 +565,7 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
 
     # The race's winner differs from the predicted best in more than one axis, or the
     # predicted best won: there is no walk.
-    from memplan._search import _next_along
+    from memplan.planning._races import _next_along
     a = TrainConfig(micro_batch_size=8, grad_accum_steps=1)
     b = TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_segments=1)
     beyond = TrainConfig(micro_batch_size=2, grad_accum_steps=4, checkpoint_segments=1)
@@ -669,7 +669,8 @@ def test_search_races_for_real(tmp_path):
 def test_a_race_on_cuda_needs_both_configurations_to_fit_together(monkeypatch):
     # No GPU here: the free-memory query is stubbed; the rule is what is tested.
     from estimators import Estimator
-    from memplan._search import PlanEntry, _fit_together
+    from memplan.planning import PlanEntry
+    from memplan.planning._races import fit_together as _fit_together
     config_a, config_b = TrainConfig(micro_batch_size=8), TrainConfig(micro_batch_size=4, grad_accum_steps=2)
     est = Estimator(lm(), device="cpu")
 

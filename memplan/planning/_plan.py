@@ -20,12 +20,19 @@ from tabulate import tabulate
 
 from estimators import ConfigError, Estimate, TrainConfig, format_size
 
-__all__ = ["PlanEntry", "Plan", "provenance", "RACED_NOTE"]
+from .._version import __version__
+
+__all__ = ["PlanEntry", "Plan", "provenance", "needed_bytes", "RACED_NOTE"]
 
 PLAN_FORMAT = 1
 
 RACED_NOTE = "time: median of"
 """How an estimate's note begins when its step time was measured by a race, not predicted."""
+
+
+def needed_bytes(estimate: Estimate) -> int:
+    """The memory a configuration needs against the budget: its peak and the CUDA context."""
+    return estimate.peak_bytes + estimate.context_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +87,6 @@ class PlanEntry:
 
 
 def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None) -> dict[str, Any]:
-    from . import __version__
     return {
         "memplan": __version__,
         "torch": torch.__version__,

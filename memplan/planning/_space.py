@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
-from estimators import ConfigError, TrainConfig
-from estimators._config import Precision, Strategy
+import torch.nn as nn
 
-__all__ = ["Layout", "SearchSpace", "build_space", "layouts_for"]
+from estimators import (
+    ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
+)
+
+__all__ = ["Layout", "SearchSpace", "build_space", "layouts_for", "layout_key", "space_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -184,3 +187,51 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: tuple[Strategy, ...] 
         else:
             out.append(Layout(strategy, world, nodes))
     return tuple(out)
+
+
+def layout_key(config: TrainConfig) -> str:
+    """The study's name for the layout ``config`` runs on."""
+    return Layout(config.strategy, config.world_size, config.nodes).key
+
+
+def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Precision, ...]:
+    if estimator.device == "cuda":
+        supported: list[Precision] = ["fp32", "fp16-mixed"]
+        if estimator.spec is not None and estimator.spec.bf16:
+            supported.append("bf16-mixed")
+    else:
+        # fp16 autocast runs ~50x slower than bf16 on CPUs: never the fastest, so not searched.
+        supported = ["fp32", "bf16-mixed"]
+    if wanted is None:
+        if "bf16-mixed" in supported and "fp16-mixed" in supported:
+            # Where the card has bf16, fp16 runs at the same tensor-core rate with the same
+            # two-byte activations, plus a GradScaler's unscale and inf checks every step: it
+            # is never the faster plan, so it is searched only when asked for (--precision).
+            return tuple(p for p in supported if p != "fp16-mixed")
+        return tuple(supported)
+    chosen = tuple(normalize_precision(p) for p in wanted)
+    refused = [p for p in chosen if p not in supported]
+    if refused:
+        raise ConfigError(f"precision {', '.join(refused)} is not available on {estimator.spec.name if estimator.spec else estimator.device}; choose from {', '.join(supported)}")
+    return chosen
+
+
+def space_for(task: Task, estimator: Estimator, blocks_model: nn.Module, *, global_batch: int | None,
+              precisions: Sequence[str] | None, max_micro_batch: int | None, layouts: tuple[Layout, ...],
+              micro_batch_sizes: Sequence[int] | None, checkpoint_segments: Sequence[int] | None) -> SearchSpace:
+    """The space of ``task`` on the estimator's target: the user's pins and restrictions, the
+    model file's ``settings["global_batch"]`` when no global batch is given, the precisions the
+    device runs well, and the checkpoint segments ``blocks_model`` (built on meta) has."""
+    fixed_batch = global_batch if global_batch is not None else task.settings.get("global_batch")
+    return build_space(
+        dataset_size=task.dataset_size() if task.train_data is not None else None,
+        global_batch=int(fixed_batch) if fixed_batch is not None else None,
+        precisions=_precisions(estimator, precisions),
+        max_segments=max_checkpoint_segments(blocks_model, task.checkpoint_blocks),
+        max_micro_batch=max_micro_batch,
+        layouts=layouts,
+        micro_batch_sizes=tuple(micro_batch_sizes) if micro_batch_sizes else None,
+        checkpoint_segments=tuple(checkpoint_segments) if checkpoint_segments is not None else None,
+        # Length-grouped batching pads less; it needs every item's size to order the data.
+        grouping=(False, True) if task.train_data is not None and task.shapes().groupable else (False,),
+    )

@@ -15,15 +15,30 @@ A storage URL given by the user is opened as given.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sqlite3
 import time
 import warnings
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import optuna
+import torch
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["MirroredStudy"]
+from estimators import Estimator, Task, TrainConfig
+
+from ._space import SearchSpace, layout_key
+
+__all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners"]
+
+
+def default_storage() -> str:
+    """The default storage: ``studies.db`` under ``$MEMPLAN_CACHE_DIR`` (else ``~/.cache/memplan``)."""
+    root = os.environ.get("MEMPLAN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "memplan")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{os.path.join(root, 'studies.db')}"
 
 
 def _sqlite_storage(url: str) -> optuna.storages.RDBStorage:
@@ -81,3 +96,44 @@ class MirroredStudy:
             self.persistent.add_trials(new)
             self._written.update(t.number for t in new)
         self._last = time.monotonic()
+
+
+def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace) -> str:
+    key = "|".join(str(x) for x in (
+        task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
+        budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
+        space.checkpoint_segments, tuple(layout.key for layout in space.layouts), torch.__version__,
+        # Only a non-default policy names itself, so that existing studies keep their names.
+        *((task.shape_policy,) if task.shape_policy != "max" else ()),
+        *((space.grouping,) if space.grouping != (False,) else ()),
+    ))
+    return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, space: SearchSpace, trials: int,
+               seed: int | None, storage: str | None) -> tuple[MirroredStudy, bool]:
+    """The study of this task, target, budget and space (resumed when it exists), and whether
+    it enumerates the space: a space no larger than ``trials`` is asked whole
+    (``BruteForceSampler``), a larger one sampled by a seeded TPE sampler."""
+    # Optuna's own warnings (a trial cut short by Ctrl-C) are not the user's business.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    exhaustive = len(space) <= trials
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler: optuna.samplers.BaseSampler = (
+            optuna.samplers.BruteForceSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)
+        )
+    mirrored = MirroredStudy(name=_study_name(task, estimator, budget, margin, space),
+                             storage=storage or default_storage(), sampler=sampler, tuned_sqlite=storage is None)
+    return mirrored, exhaustive
+
+
+def enqueue_corners(study: optuna.Study, space: SearchSpace, done: Iterable[TrainConfig]) -> None:
+    """Ask first for the corners most likely to need the least memory (``space.smallest()``),
+    those not answered yet: when nothing fits, the nearest miss is among them."""
+    done = set(done)
+    for corner in space.smallest():
+        if corner not in done:
+            study.enqueue_trial({"layout": layout_key(corner), "micro_batch_size": corner.micro_batch_size,
+                                 "precision": corner.precision, "checkpoint_segments": corner.checkpoint_segments},
+                                skip_if_exists=True)

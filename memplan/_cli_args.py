@@ -1,0 +1,129 @@
+"""The command line's arguments, shared by the commands: added to a parser, and read back.
+
+Values stay strings until read here, so that a config file's keys (``_apply_config`` in
+``cli``) fill them the way a flag does, and every count is checked by one parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from estimators import TrainConfig, normalize_precision, parse_count
+
+__all__ = ["add_common_args", "add_config_args", "config_from", "add_shape_policy", "add_search_args",
+           "add_layout_args", "add_launch_args", "launch_spec", "layout_from", "search_kwargs", "add_train_args"]
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """What every command takes: the model file, the device, and quiet progress."""
+    p.add_argument("model", help="model file (defines model(), train_data(), …)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="target device type")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    add_common_args(p)
+    p.add_argument("--batch-size", "-b", required=True, help="micro-batch size")
+    p.add_argument("--accum", default="1", help="gradient-accumulation steps (default 1)")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16)")
+    p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
+    p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        micro_batch_size=parse_count(args.batch_size, what="--batch-size"),
+        grad_accum_steps=parse_count(args.accum, what="--accum"),
+        precision=normalize_precision(args.precision),
+        checkpoint_segments=parse_count(args.checkpoint, what="--checkpoint", minimum=0),
+    )
+
+
+def add_shape_policy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape-policy", choices=["max", "p99"], default="max",
+                   help="items of varying shape: plan for the worst batch the loader can form (max, default) "
+                        "or the 99th percentile of an epoch's batches (p99; rarer ones are left to OOM recovery)")
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    add_common_args(p)
+    p.add_argument("--config", default=None, help="a TOML file of options (memplan init writes one); flags override it")
+    p.add_argument("--precision", default=None, help="precisions to search, e.g. bf16-mixed,fp32 (default: what the device runs well)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint segments to search, e.g. 0 or 0,2 (default: 0, powers of two, every block)")
+    p.add_argument("--micro-batch", default=None, help="micro-batch sizes to search, e.g. 8,16 (default: all that fit the global batch)")
+    p.add_argument("--strategy", default=None, help="strategies to search with --gpus > 1: ddp, fsdp or ddp,fsdp")
+    p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
+    p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
+    p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
+    p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
+    p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
+    p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
+    add_shape_policy(p)
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", default=None, help="devices per machine to plan for (default 1; more searches DDP and FSDP2)")
+    p.add_argument("--nodes", default=None, help="machines to plan for (default 1)")
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed training (torchrun's options)")
+    g.add_argument("--nproc", default=None, help="processes (devices) on this machine (default: what the plan needs)")
+    g.add_argument("--nnodes", default="1", help="machines (default 1); run the same command on each")
+    g.add_argument("--node-rank", default="0", help="this machine's rank (static rendezvous)")
+    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the machines meet (default: this machine)")
+    g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every machine")
+    g.add_argument("--rdzv-backend", default="c10d", help="c10d (default) or static")
+
+
+def launch_spec(args: argparse.Namespace, nproc: int | None = None):
+    """The launch asked for on the command line; None: none (the plan decides)."""
+    from ._launch import LaunchSpec
+    nproc = nproc if nproc is not None else (parse_count(args.nproc, what="--nproc") if args.nproc else None)
+    nnodes = parse_count(args.nnodes, what="--nnodes")
+    if nproc is None and nnodes == 1:
+        return None
+    return LaunchSpec(
+        nproc_per_node=nproc if nproc is not None else 1, nnodes=nnodes,
+        node_rank=parse_count(args.node_rank, what="--node-rank", minimum=0),
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
+    )
+
+
+def layout_from(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    gpus = parse_count(args.gpus, what="--gpus") if args.gpus else None
+    nodes = parse_count(args.nodes, what="--nodes") if args.nodes else None
+    return gpus, nodes
+
+
+def _counts(text: str | None, what: str, minimum: int = 1) -> list[int] | None:
+    if text is None:
+        return None
+    return [parse_count(v.strip(), what=what, minimum=minimum) for v in str(text).split(",") if v.strip()]
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [v.strip() for v in str(text).split(",") if v.strip()] if text is not None else None
+
+
+def search_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        precisions=_names(args.precision), strategies=_names(args.strategy),
+        checkpoint_segments=_counts(args.checkpoint, "--checkpoint", minimum=0),
+        micro_batch_sizes=_counts(args.micro_batch, "--micro-batch"),
+        vram=args.vram, gpu=args.gpu, device=args.device,
+        global_batch=parse_count(args.global_batch, what="--global-batch") if args.global_batch else None,
+        trials=parse_count(args.trials, what="--trials"),
+        probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
+        seed=parse_count(args.seed, what="--seed", minimum=0),
+        storage=args.storage, shape_policy=args.shape_policy,
+    )
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from ._options import add_option_flags
+    p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (fit: with OUT/plan.json, no search)")
+    add_option_flags(p)

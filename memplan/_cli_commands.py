@@ -1,0 +1,232 @@
+"""The commands that estimate, probe, plan and train: ``memplan estimate|probe|plan|fit|train``.
+
+Each is a small class (``name``, ``add_arguments``, ``run``) that ``cli`` registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from estimators import Estimator, load_task, parse_count
+
+from ._cli_args import (
+    add_common_args, add_config_args, add_launch_args, add_layout_args, add_search_args, add_shape_policy,
+    add_train_args, config_from, launch_spec, layout_from, search_kwargs,
+)
+from ._report import estimate_table
+
+__all__ = ["EstimateCommand", "ProbeCommand", "PlanCommand", "FitCommand", "TrainCommand"]
+
+
+class EstimateCommand:
+    """Predict the peak memory of one training configuration without running it."""
+
+    name = "estimate"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_config_args(p)
+        p.add_argument("--plot", default=None, help="draw the predicted memory timeline to this image (memplan[plots])")
+        p.add_argument("--snapshot", default=None, help="write the timeline as a torch.cuda.memory._snapshot() pickle")
+        p.add_argument("--vram", default=None, help="budget line drawn on --plot (default: the --gpu card's memory)")
+        add_shape_policy(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        config = config_from(args)
+        task = load_task(args.model)
+        estimator = Estimator(task, device=args.device, gpu=args.gpu, shape_policy=args.shape_policy)
+        est = estimator.shape_distribution(config, exact=True)
+        if args.plot or args.snapshot:
+            from ._timeline_out import write_timeline_outputs
+            for line in write_timeline_outputs(estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram):
+                print(line, file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(est.to_dict(), indent=2))
+        else:
+            print(estimate_table(est))
+        return 0
+
+
+class ProbeCommand:
+    """Measure one configuration with a few real steps in an isolated process."""
+
+    name = "probe"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_config_args(p)
+        p.add_argument("--steps", default="5", help="measured steps after warm-up (default 5)")
+        p.add_argument("--vram", default=None, help="memory budget enforced during the probe")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from estimators import parse_size, resolve_target
+        from estimators import probe
+        config = config_from(args)
+        if args.gpu is not None:
+            from estimators import ConfigError
+            raise ConfigError("a probe measures the device at hand; drop --gpu (use memplan estimate --gpu to plan for another card)")
+        device, _spec = resolve_target(args.device, None)
+        task = load_task(args.model)
+        budget = parse_size(args.vram, what="--vram") if args.vram else None
+        result = probe(task, config, device=device, steps=parse_count(args.steps, what="--steps"), budget_bytes=budget)
+        if args.json:
+            out = result.estimate.to_dict() if result.estimate is not None else {"method": "measured", "config": config.to_dict()}
+            out.update(status=result.status, message=result.message, overhead_s=result.overhead_s)
+            print(json.dumps(out, indent=2))
+        elif result.estimate is not None:
+            print(estimate_table(result.estimate))
+            print(f"status {result.status}; probe overhead {result.overhead_s:.2f} s")
+        else:
+            print(f"status {result.status}: {result.message}")
+        return 0 if result.status == "ok" else 1
+
+
+class PlanCommand:
+    """Search the configurations that fit the budget and print them ranked."""
+
+    name = "plan"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_search_args(p)
+        add_layout_args(p)
+        p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+        p.add_argument("--json", action="store_true", help="print the plan as JSON")
+        p.add_argument("--plot", default=None, help="draw every trial's peak against samples/s to this image (memplan[plots])")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._fit import layout_kwargs
+        from .planning import search
+        gpus, nodes = layout_from(args)
+        if args.plot:
+            from ._plots import require_matplotlib
+            require_matplotlib()  # fail before the search, not after it
+        plan = search(args.model, progress=not (args.json or args.no_progress) and sys.stderr.isatty(), **search_kwargs(args),
+                      **layout_kwargs(None, gpus=gpus, nodes=nodes), plot=args.plot)
+        if args.out:
+            plan.save(args.out)
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
+        return 0
+
+
+def _lr_auto(args: argparse.Namespace, task) -> bool:
+    """``--lr auto`` (or ``lr = "auto"`` in the config or the settings): the learning rate is
+    memplan lr-find's suggestion on the chosen plan, found once the plan is known."""
+    config = getattr(args, "config_values", None) or {}
+    given = getattr(args, "option_lr", None)
+    if given is None:
+        given = config.get("lr", task.settings.get("lr"))
+    return isinstance(given, str) and given.strip().lower() == "auto"
+
+
+def _with_plan(args: argparse.Namespace, options, task, plan):
+    """The options for training ``plan``: its device, and the learning rate lr-find suggests
+    for its configuration when ``--lr auto`` was asked for."""
+    options = replace(options, device=plan.device)
+    if _lr_auto(args, task):
+        from ._lr_find import auto_lr
+        options = replace(options, lr=float(auto_lr(task, plan.config, plan.device)))
+    return options
+
+
+def _train_options(args: argparse.Namespace, device: str, task):
+    from pathlib import Path
+    from ._options import option_specs, resolve_options
+    config = getattr(args, "config_values", None)
+    settings = task.settings
+    cli = {spec.name: getattr(args, spec.dest, None) for spec in option_specs()}
+    if _lr_auto(args, task):
+        # Found on the plan, after the search (see _with_plan); none until then.
+        cli["lr"] = None
+        config = {k: v for k, v in (config or {}).items() if k != "lr"} if config is not None else None
+        settings = {k: v for k, v in settings.items() if k != "lr"}
+    return resolve_options(
+        cli=cli,
+        config=config, config_name=Path(args.config).name if config is not None else "config",
+        settings=settings, settings_name=Path(task.source_path).name if task.source_path else task.name,
+        out_dir=Path(args.out), resume=args.resume, device=device, progress=not args.no_progress,
+        seed=parse_count(args.seed, what="--seed", minimum=0) if getattr(args, "seed", None) is not None else None,
+    )
+
+
+def _check_device(args: argparse.Namespace, plan) -> None:
+    from estimators import ConfigError
+    if args.device is not None and args.device != plan.device.split(":")[0]:
+        raise ConfigError(f"the plan was made for {plan.device}, not --device {args.device}; plan again with "
+                          f"memplan plan MODEL.py --device {args.device}")
+
+
+def _print_result(result) -> None:
+    if result is None:  # a machine without rank 0
+        print("done: this machine's ranks finished; the machine of rank 0 writes the results")
+        return
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in result.final_metrics.items())
+    state = "interrupted; resume with --resume" if result.interrupted else "done"
+    print(f"{state}: {result.steps} steps in {result.wall_s:.1f} s; {metrics}; written to {result.out_dir}")
+
+
+class FitCommand:
+    """Search the configurations, print the plan, then train the best one."""
+
+    name = "fit"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_search_args(p)
+        add_layout_args(p)
+        add_train_args(p)
+        add_launch_args(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from estimators import ConfigError
+        from ._fit import layout_kwargs, resumed_plan, train_plan
+        from .planning import resolve_task, search
+        # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
+        gpus, nodes = layout_from(args)
+        nproc = parse_count(args.nproc, what="--nproc") if args.nproc else None
+        nnodes = parse_count(args.nnodes, what="--nnodes")
+        if gpus is not None and nproc is not None and gpus != nproc:
+            raise ConfigError(f"fit trains what it plans: --gpus {gpus} and --nproc {nproc} differ; give one of them")
+        if nodes is not None and args.nnodes != "1" and nodes != nnodes:
+            raise ConfigError(f"fit trains what it plans: --nodes {nodes} and --nnodes {nnodes} differ; give one of them")
+        if nodes is not None:
+            args.nnodes = str(nodes)
+        spec = launch_spec(args, nproc if nproc is not None else gpus)
+        task = resolve_task(args.model)
+        options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
+        plan = resumed_plan(args.out) if args.resume else None
+        if plan is None:
+            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **search_kwargs(args),
+                          **layout_kwargs(spec))
+        else:
+            _check_device(args, plan)
+            print(f"resuming the plan in {args.out}/plan.json (no search)")
+        print(plan.table())
+        result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec)
+        _print_result(result)
+        return 0
+
+
+class TrainCommand:
+    """Train a saved plan without searching."""
+
+    name = "train"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_common_args(p)
+        p.add_argument("--config", default=None, help="a TOML file of training options; flags override it")
+        p.add_argument("--plan", required=True, help="plan.json written by memplan plan --out")
+        p.add_argument("--seed", default=None, help="seed of initialisation, dropout and data order (default 0)")
+        p.add_argument("--vram", default=None, help="budget to enforce on each device (default: the plan's)")
+        add_train_args(p)
+        add_launch_args(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ._fit import train_plan
+        from .planning import Plan
+        task = load_task(args.model)
+        options = _train_options(args, "cpu", task)
+        plan = Plan.load(args.plan)
+        _check_device(args, plan)
+        result = train_plan(task, plan, _with_plan(args, options, task, plan), vram=args.vram, launch=launch_spec(args))
+        _print_result(result)
+        return 0

@@ -1,0 +1,103 @@
+"""What a search starts from: the task, its estimator, the budget, the model on meta.
+
+A model may come as a model file, a ``Task`` or an ``nn.Module``; each is one ``Task``. Its
+estimator is kept while the task lives, so that a second search of it re-uses its traces.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from estimators import ConfigError, Estimator, Task, detect_local_gpu, load_task, parse_size
+
+__all__ = ["resolve_task", "estimator_for", "default_budget", "budget_for", "meta_model",
+           "can_probe"]
+
+
+_ESTIMATORS: "weakref.WeakKeyDictionary[Task, dict[tuple[str | None, str | None], Estimator]]" = weakref.WeakKeyDictionary()
+
+
+def estimator_for(task: Task, *, device: str | None, gpu: str | None) -> Estimator:
+    """One estimator per task and target, kept while the task lives: searching the same task
+    again (another budget, another global batch) reuses its traces."""
+    per_task = _ESTIMATORS.setdefault(task, {})
+    key = (device, gpu)
+    if key not in per_task:
+        per_task[key] = Estimator(task, device=device, gpu=gpu)
+    return per_task[key]
+
+
+def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any = None, **module_parts: Any) -> Task:
+    """The task of a model file, a ``Task``, or an ``nn.Module`` with ``sample`` and/or the
+    ``module_parts`` of :meth:`Task.from_module` (``loss``, ``optimizer``, ``train_data``,
+    ``val_data``, ``collate``, ``settings``)."""
+    parts = {k: v for k, v in module_parts.items() if v is not None}
+    if isinstance(model, Task):
+        if sample is not None or parts:
+            raise ConfigError(f"{', '.join(['sample', *parts])} go with an nn.Module; a Task carries its own")
+        return model
+    if isinstance(model, nn.Module):
+        if sample is None and parts.get("train_data") is None:
+            raise ConfigError(f"search({type(model).__name__}) needs batches: pass sample= (a batch, or a callable "
+                              "batch_size -> batch) or train_data= (a Dataset)")
+        return Task.from_module(model, sample, **parts)
+    if sample is not None or parts:
+        raise ConfigError(f"{', '.join(['sample', *parts])} go with an nn.Module; a model file defines its own "
+                          "(loss(), optimizer(), train_data(), ...)")
+    return load_task(model)
+
+
+def default_budget(estimator: Estimator) -> tuple[int, str]:
+    """The budget when --vram is not given, and where it came from."""
+    if estimator.device == "cuda":
+        if torch.cuda.is_available() and _local_matches(estimator):
+            free, _total = torch.cuda.mem_get_info()
+            return int(free), "free memory of the local GPU"
+        assert estimator.spec is not None
+        return estimator.spec.memory_bytes, f"memory of {estimator.spec.name}"
+    # CPU: half of what the machine has available now, so the OS and other work keep room.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2, "half of the available RAM"
+    except OSError:
+        pass
+    return 8 * 10**9, "a default of 8 GB"
+
+
+def budget_for(estimator: Estimator, vram: int | str | None) -> int:
+    """The budget in bytes: ``vram`` parsed, or the default for the target."""
+    if vram is None:
+        budget, _source = default_budget(estimator)
+        return budget
+    budget = parse_size(vram, what="--vram")
+    if budget <= 0:
+        raise ConfigError("--vram must be more than 0 bytes; e.g. --vram 12GB")
+    return budget
+
+
+def _local_matches(estimator: Estimator) -> bool:
+    local = detect_local_gpu()
+    return local is not None and estimator.spec is not None and local.name == estimator.spec.name
+
+
+def meta_model(task: Task) -> nn.Module:
+    if task.prebuilt is not None:
+        return task.prebuilt
+    try:
+        with torch.device("meta"):
+            return task.build_model()
+    except Exception:  # noqa: BLE001 - some models only build for real
+        return task.build_model()
+
+
+def can_probe(estimator: Estimator, gpu: str | None) -> bool:
+    if estimator.device == "cpu":
+        return True
+    return torch.cuda.is_available() and (gpu is None or _local_matches(estimator))

@@ -1,0 +1,105 @@
+"""The study's objective: a configuration's static estimate against the memory budget.
+
+Every trial gets the static estimate, cached per configuration (a resumed or repeated
+configuration is never re-estimated). The budget is a constraint (``trial.set_constraint``,
+<= 0 feasible) with a safety margin kept free, so an infeasible configuration is a
+*completed* infeasible trial the sampler learns from, never a FAIL; so is a configuration
+that cannot be traced, its reason kept in :class:`Failures`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import optuna
+from optuna.trial import FrozenTrial
+
+from estimators import Estimate, Estimator, MemplanError, TrainConfig
+
+from ._failures import Failures
+from ._plan import needed_bytes
+from ._space import SearchSpace
+from ._study import MirroredStudy
+
+__all__ = ["Objective", "optimize"]
+
+
+class Objective:
+    """Samples/s of a trial's configuration, its memory over ``limit`` the constraint."""
+
+    def __init__(self, space: SearchSpace, estimator: Estimator, limit: int) -> None:
+        self.space = space
+        self.estimator = estimator
+        self.limit = limit
+        self.cache: dict[TrainConfig, Estimate] = {}
+        self.failures = Failures(space)
+
+    def evaluate(self, config: TrainConfig) -> Estimate | None:
+        """The estimate of ``config`` (None: it could not be traced; ``failures`` says why)."""
+        if config not in self.cache and config not in self.failures.reasons:
+            try:
+                self.cache[config] = self.estimator.estimate(config)
+            except MemplanError as exc:
+                self.failures.add(config, exc)
+        return self.cache.get(config)
+
+    def resume(self, trials: Iterable[FrozenTrial]) -> None:
+        """A resumed study's trials answer their configurations without re-estimating."""
+        for t in trials:
+            if "estimate" in t.user_attrs:
+                est = Estimate.from_dict(t.user_attrs["estimate"])
+                self.cache.setdefault(est.config, est)
+            elif "failed" in t.user_attrs:
+                self.failures.resume(t.params, str(t.user_attrs["failed"]))
+
+    def done(self) -> set[TrainConfig]:
+        """The configurations answered so far, estimated or failed."""
+        return {est.config for est in self.cache.values()} | set(self.failures.reasons)
+
+    def results(self) -> tuple[list[Estimate], dict[TrainConfig, str]]:
+        """The estimates and the failures of the configurations in the space."""
+        space = set(self.space)
+        return [e for c, e in self.cache.items() if c in space], self.failures.in_space()
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        space, limit = self.space, self.limit
+        layout = trial.suggest_categorical("layout", [layout.key for layout in space.layouts])
+        micro = trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes))
+        precision = trial.suggest_categorical("precision", list(space.precisions))
+        segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
+        grouped = (bool(trial.suggest_categorical("length_grouped", list(space.grouping)))
+                   if len(space.grouping) > 1 else False)
+        config = space.config(int(micro), str(precision), int(segments), str(layout), grouped)
+        est = self.evaluate(config)
+        if est is None:
+            # A configuration that cannot be traced is a completed, infeasible trial (as an OOM
+            # is): the sampler learns from it, and the search goes on without it.
+            trial.set_user_attr("failed", self.failures.reasons[config])
+            trial.set_constraint("memory", max(limit, 1) / 1e9)
+            if not self.cache and self.failures.shared(self.evaluate):
+                trial.study.stop()  # every configuration fails alike: the model itself is broken
+            return 0.0
+        need = needed_bytes(est)
+        trial.set_user_attr("estimate", est.to_dict())
+        # Constraint in GB keeps the numbers readable in optuna-dashboard; <= 0 is feasible.
+        trial.set_constraint("memory", (need - limit) / 1e9)
+        return float(est.samples_per_s or 0.0)
+
+
+def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exhaustive: bool,
+             progress: bool) -> bool:
+    """Ask the study for the trials not answered yet (at most ``trials`` in all); True when
+    Ctrl-C cut it short (the completed trials are in the storage: a plan is built from them)."""
+    space, estimator = objective.space, objective.estimator
+    remaining = max(0, min(trials, len(space)) - len([c for c in objective.done() if c in set(space)]))
+    # An enumerated space asks every configuration: its traces start now, on both cores.
+    estimator.expect(space, prefetch=exhaustive and remaining > 0)
+    interrupted = False
+    if remaining:
+        try:
+            mirrored.optimize(objective, n_trials=remaining, progress=progress)
+        except KeyboardInterrupt:
+            interrupted = True  # completed trials are in the storage; plan from them
+        finally:
+            estimator.close()  # its trace worker, if a large model started one
+    return interrupted

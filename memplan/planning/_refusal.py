@@ -1,0 +1,89 @@
+"""Saying that nothing fits: the lower bound, the nearest miss, and what would make it fit.
+
+Two refusals, both a :class:`NoFeasiblePlanError` naming the need, the budget and the fixes:
+before any trace, when the model's own parameters and gradients exceed the budget (a
+3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta); and
+after the study, when no configuration's estimate (or no probed one) fits, naming the
+smallest with its breakdown.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn as nn
+
+from estimators import Estimate, Estimator, NoFeasiblePlanError, Task, format_size
+
+from ._plan import needed_bytes
+from ._space import SearchSpace
+
+__all__ = ["refuse_from_lower_bound", "no_fit"]
+
+
+def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, int]:
+    """(bytes, parameters, shards): the least any configuration of ``space`` can hold per
+    device before a single activation or optimizer state — every parameter and the gradient
+    of every trainable one, in the dtypes the model is built in (mixed precision keeps fp32
+    weights; a ``TrainConfig`` has no lower-precision weights), split over the ranks when FSDP2
+    is searched (shared parameters counted once)."""
+    seen: set[int] = set()
+    states = params = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params += p.numel()
+        states += p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+    shards = max((layout.world_size for layout in space.layouts if layout.strategy == "fsdp"), default=1)
+    return states // shards, params, shards
+
+
+def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) -> str:
+    """The budget (its margin kept) that ``need`` would fit in, as a fix to suggest."""
+    gb = math.ceil(need * budget / limit / 1e9)
+    return f"a card with >= {gb} GB" if estimator.device == "cuda" else f"--vram {gb}GB or more"
+
+
+def refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, budget: int, limit: int,
+                            estimator: Estimator) -> None:
+    """Say at once, without a trace, that nothing fits when the model's own states do not: a
+    3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta,
+    not after a search's traces."""
+    floor, params, shards = _model_state_floor(model, space)
+    if floor <= limit:
+        return
+    where = f" per device over {shards} FSDP2 ranks" if shards > 1 else ""
+    hints = [_more_memory_hint(floor, budget, limit, estimator)]
+    devices = max(2, 2 * shards)
+    hints.append(f"FSDP over {devices} devices (--gpus {devices})")
+    hints.append("a smaller model, or frozen parts (no gradients)")
+    raise NoFeasiblePlanError(
+        f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {task.name}'s "
+        f"{params:,} parameters and their gradients alone need {format_size(floor)}{where}, before any activation "
+        f"or optimizer state — try {', '.join(hints)}",
+        nearest=None, needed_bytes=floor, budget_bytes=budget,
+    )
+
+
+def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:
+    nearest = min(estimates, key=needed_bytes)
+    need = needed_bytes(nearest)
+    parts = sorted(nearest.breakdown.items(), key=lambda kv: -kv[1])
+    detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts if v > 0)
+    if nearest.context_bytes:
+        detail += f", CUDA context {format_size(nearest.context_bytes)}"
+    hints = [_more_memory_hint(need, budget, limit, estimator)]
+    if nearest.config.strategy == "fsdp":
+        hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
+    else:
+        # FSDP2 shards parameters, gradients and optimizer state over the ranks.
+        devices = max(2, 2 * nearest.config.world_size)
+        hints.append(f"FSDP over {devices} devices (--gpus {devices})")
+    hints.append("a smaller model")
+    what = "nothing fits" if not measured else "nothing that was probed fits"
+    return NoFeasiblePlanError(
+        f"{what} in {format_size(budget)} (keeping {format_size(budget - limit)} free); the smallest plan "
+        f"({nearest.config.describe()}) needs {format_size(need)}: {detail} — try {', '.join(hints)}",
+        nearest=nearest, needed_bytes=need, budget_bytes=budget,
+    )

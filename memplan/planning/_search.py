@@ -1,0 +1,152 @@
+"""``memplan.search``: the fastest configuration that fits the memory budget.
+
+The pipeline, one module per step: the task, its estimator and the budget (``._inputs``);
+the space (``._space``); the model's own states against the budget, refused before any trace
+(``._refusal``); an Optuna study over the space (``._study``) whose objective is each
+configuration's static estimate, the budget a constraint with a margin (``._objective``;
+configurations that cannot be traced are kept in ``._failures``); the nearest miss when
+nothing fits (``._refusal``); the best few confirmed on the real device when planning for
+the device at hand — the two best raced step against step (``._races``), the others probed
+(``._probes``); the ranking, measured figures first, and the ``Plan`` (``._ranking``,
+``._plan``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from estimators import ConfigError, Task, prestart
+
+from ._inputs import budget_for, can_probe, estimator_for, meta_model, resolve_task
+from ._objective import Objective, optimize
+from ._plan import Plan, needed_bytes
+from ._probes import probe_best
+from ._races import ProbeFn, RaceFn
+from ._ranking import build_plan, rank_predicted
+from ._refusal import no_fit, refuse_from_lower_bound
+from ._space import layouts_for, space_for
+from ._study import enqueue_corners, open_study
+
+__all__ = ["search"]
+
+
+def search(
+    model: Task | str | os.PathLike[str] | nn.Module,
+    *,
+    vram: int | str | None = None,
+    sample: Any = None,
+    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    train_data: Any = None,
+    global_batch: int | None = None,
+    device: str | None = None,
+    gpu: str | None = None,
+    trials: int = 60,
+    probe_top: int = 2,
+    seed: int | None = 0,
+    storage: str | None = None,
+    margin: float = 0.10,
+    precisions: Sequence[str] | None = None,
+    max_micro_batch: int | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    checkpoint_segments: Sequence[int] | None = None,
+    progress: bool = False,
+    probe_fn: ProbeFn | None = None,
+    race_fn: RaceFn | None = None,
+    gpus: int = 1,
+    nodes: int = 1,
+    strategies: Sequence[str] | None = None,
+    plot: str | os.PathLike[str] | None = None,
+    shape_policy: str = "max",
+) -> Plan:
+    """Search the configuration space and return the ranked :class:`Plan`.
+
+    ``model`` is a model-file path, a :class:`Task`, or an ``nn.Module`` with ``sample`` (a
+    batch, or a callable ``batch_size -> batch``) or ``train_data`` (a ``Dataset``), and
+    optionally ``loss(model, batch) -> Tensor`` and ``optimizer(parameters) -> Optimizer``.
+    ``vram`` is the memory budget (``"12GB"``, ``"12GiB"`` or bytes); by default the free
+    memory of the local GPU, the card's memory for ``gpu=``, or half the available RAM on CPU.
+    ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
+    with real steps when the target is the device at hand (not for a ``gpu=`` card that is
+    absent): from two on, the two best are raced against each other and the winner's memory
+    is probed. Raises :class:`NoFeasiblePlanError` when nothing fits.
+
+    ``gpus`` devices per node on ``nodes`` machines: one device searches single-device
+    training; more search DDP and FSDP2 over all of them (``strategies`` narrows that), with
+    ``vram`` the budget of each device and the global batch split over the ranks. Distributed
+    configurations are ranked by prediction (a probe runs one process).
+
+    ``plot`` writes every trial's predicted peak against samples/s to that image file
+    (``memplan[plots]``) and stores the figure as user attributes of the study.
+    ``shape_policy``: when the dataset's items vary in shape, every configuration is estimated
+    (and probed) at the largest padded batch the data loader can form at its micro-batch size
+    (``"max"``), or at the 99th percentile of an epoch's batches (``"p99"``: a rarer, larger
+    batch is left to OOM recovery). Fixed-shape data is unaffected.
+
+    ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
+    alone the best are probed, and probes that overturn the prediction are confirmed by
+    probing again, not by a race.
+
+    >>> plan = search("examples/digits.py", vram="1GB", trials=20)   # doctest: +SKIP
+    >>> plan.config.micro_batch_size                                  # doctest: +SKIP
+    64
+    """
+    # Longer than ~60 lines for the signature and the docstring of the public API; the body
+    # is the pipeline: inputs, space, lower bound, study, refusal, probes and races, Plan.
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {margin}")
+    if trials < 1:
+        raise ConfigError(f"--trials must be >= 1, got {trials}")
+    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data).with_shape_policy(shape_policy)
+    estimator = estimator_for(task, device=device, gpu=gpu)
+    budget = budget_for(estimator, vram)
+    limit = int(budget * (1 - margin))
+    blocks_model = meta_model(task)
+    space = space_for(task, estimator, blocks_model, global_batch=global_batch, precisions=precisions,
+                      max_micro_batch=max_micro_batch, layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
+                      micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments)
+    refuse_from_lower_bound(task, blocks_model, space, budget, limit, estimator)
+    if probe_top > 0 and probe_fn is None and can_probe(estimator, gpu) and all(
+            layout.strategy == "single" for layout in space.layouts):
+        # The probe server imports torch while the estimates run, not when the first probe
+        # waits — after the machine's rates are known: measuring them while the server's
+        # import competes for the cores would cache wrong rates for good.
+        estimator.rates()
+        prestart()
+
+    objective = Objective(space, estimator, limit)
+    mirrored, exhaustive = open_study(task, estimator, budget=budget, margin=margin, space=space, trials=trials,
+                                      seed=seed, storage=storage)
+    objective.resume(mirrored.resumed())
+    enqueue_corners(mirrored.study, space, objective.done())
+    interrupted = optimize(mirrored, objective, trials=trials, exhaustive=exhaustive, progress=progress)
+
+    estimates, failed = objective.results()
+    if not estimates and failed:
+        raise objective.failures.first_error()
+    feasible = [e for e in estimates if needed_bytes(e) <= limit]
+    if not feasible:
+        raise no_fit(estimates, budget, limit, estimator)
+    entries = rank_predicted(feasible)
+    tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
+    notes: list[str] = []
+    if interrupted:
+        notes.append("search interrupted; plan built from the trials completed so far")
+    if any(e.config.strategy != "single" for e in entries):
+        notes.append("distributed configurations are ranked by prediction: a probe runs one process")
+    if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
+        # Configurations whose step raised when run for real join those that could not be traced.
+        entries, probe_notes = probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn, failed)
+        notes.extend(probe_notes)
+        if not entries:
+            raise no_fit(estimates, budget, limit, estimator, measured=True)
+    plan = build_plan(task, estimator, entries, budget=budget, margin=margin, global_batch=space.global_batch,
+                      tried=tried, failed=failed, notes=notes)
+    if plot is not None:
+        from .._plots import record_plan_plot
+        record_plan_plot(plan, estimates, plot, mirrored.persistent)
+    return plan
