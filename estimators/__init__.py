@@ -23,7 +23,7 @@ from .probing._race import race
 from .runtime._checkpoint import max_checkpoint_segments
 from .runtime._guard import MemoryGuard
 from .runtime._precision import backward, forward_context, make_grad_scaler, optimizer_step
-from .tracing._trace import Category
+from .tracing._recorder import Category
 
 __all__ = [
     "PRECISIONS", "Precision", "Strategy", "TrainConfig", "normalize_precision",

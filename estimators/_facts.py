@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ._task import Task
 from .memory._distributed import FsdpUnits, ddp_bucket_bytes, fsdp_units
 from .runtime._checkpoint import find_block_stack
-from .tracing._trace import _fake_mode, build_fake_model
+from .tracing._fake import fake_mode, build_fake_model
 
 __all__ = ["ModelFacts", "model_facts"]
 
@@ -22,7 +22,7 @@ class ModelFacts:
 
 def model_facts(task: Task) -> ModelFacts:
     """Parameter counts, FSDP2 units and DDP buckets, from a fake copy of the model."""
-    model = build_fake_model(task, _fake_mode())
+    model = build_fake_model(task, fake_mode())
     distinct = list(dict.fromkeys(model.parameters()))
     find_block_stack(model, task.checkpoint_blocks)
     return ModelFacts(

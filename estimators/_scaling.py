@@ -23,7 +23,7 @@ from ._traces import TraceSource
 from .memory._prepare import Prepared
 from .memory._workspace import WORKSPACE_ANCHORS, fit_key, reference_config, workspaces_at
 from .timing._timing import OpCosts, op_costs
-from .tracing._trace import Category
+from .tracing._recorder import Category
 
 __all__ = ["ANCHORS", "CUDA_ANCHORS", "BatchScaling"]
 

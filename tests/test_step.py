@@ -17,7 +17,8 @@ from torch.utils.data import TensorDataset
 from estimators import ConfigError, Estimator, Task, TrainConfig
 from estimators.runtime._guard import MemoryGuard
 from estimators.runtime._options import StepOptions
-from estimators.tracing._trace import Category, trace_step
+from estimators.tracing._trace import trace_step
+from estimators.tracing._recorder import Category
 from memplan import TrainOptions, train
 
 

@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from ..timing._timing import OpCosts, op_costs
-from ..tracing._trace import Category, Trace
+from ..tracing._trace import Trace
+from ..tracing._recorder import Category
 from ._workspace import Source, WorkspaceFit
 
 __all__ = ["Prepared", "prepare"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tracing._trace import Category
+from ..tracing._recorder import Category
 from ._allocator import CachingAllocatorSim
 from ._prepare import Prepared
 

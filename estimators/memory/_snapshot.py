@@ -25,7 +25,7 @@ from typing import Any
 
 from ._allocator import CachingAllocatorSim
 from ._timeline import Timeline
-from ..tracing._trace import Category
+from ..tracing._recorder import Category
 
 __all__ = ["to_snapshot", "write_snapshot", "snapshot_peak"]
 

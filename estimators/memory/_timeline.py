@@ -15,7 +15,7 @@ import numpy as np
 from .._config import TrainConfig
 from .._estimate import Estimator
 from ._replay import replay_sizes
-from ..tracing._trace import Category
+from ..tracing._recorder import Category
 
 __all__ = ["Timeline", "predicted_timeline"]
 

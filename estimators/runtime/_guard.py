@@ -7,7 +7,7 @@ the CPU :class:`MemoryGuard` counts the bytes of live tensor storages and raises
 would take them over the budget. The trainer's OOM recovery, the probes and the tests then
 handle a CPU OOM exactly as they would handle a GPU one.
 
-How the CPU guard counts (the technique of ``estimators.tracing._trace._Recorder``, kept minimal):
+How the CPU guard counts (the technique of ``estimators.tracing._recorder.Recorder``, kept minimal):
 
 * a ``TorchDispatchMode`` sees every aten op that runs while the guard is active — forward,
   backward (the autograd engine runs CPU backward in the calling thread, with the mode

@@ -11,7 +11,7 @@ CUDA's, for the whole step (forward, backward with checkpoint recomputation, opt
   backward, where the CPU path (``_dropout_impl``) keeps a noise tensor of the input's dtype
   (4 bytes per element in fp32, not 1);
 * the optimizer runs its foreach implementation unless the model file chose otherwise (done
-  by the trace itself, see ``estimators.tracing._trace._use_foreach``).
+  by the trace itself, see ``estimators.runtime._step._use_foreach``).
 
 Overrides are registered on the dispatcher while :func:`cuda_semantics` is active and removed
 after; the CPU target never sees them.

@@ -1,0 +1,330 @@
+"""What the trace records: each storage's birth (an op's output) and death (a weak reference),
+its category, the phase it falls in, and each op's FLOPs and bytes moved.
+
+Storages are keyed by their Python object, which PyTorch keeps alive exactly as long as the
+storage itself. :class:`RecordingHooks` are the trace's :class:`~estimators.runtime._step.StepHooks`:
+they name the phases and mark what each allocation holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from ..memory import _distributed
+from ..runtime._step import StepHooks
+
+__all__ = ["Category", "OpRecord", "Recorder", "RecordingHooks", "PHASES", "recorded_rng_states"]
+
+
+class Category(enum.IntEnum):
+    """What an allocation holds (the breakdown of an estimate)."""
+
+    PARAMS = 0
+    BUFFERS = 1
+    BATCH = 2
+    ACTIVATIONS = 3
+    GRADIENTS = 4
+    OPTIMIZER = 5
+    TEMPORARIES = 6
+    WORKSPACE = 7
+    EMA = 8
+
+    @property
+    def label(self) -> str:
+        return {
+            0: "params", 1: "buffers", 2: "batch", 3: "activations", 4: "gradients",
+            5: "optimizer", 6: "temporaries", 7: "workspace", 8: "ema",
+        }[int(self)]
+
+
+PHASES = ("setup", "forward", "backward", "optimizer", "zero_grad")
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One aten op of the trace, for the time model and workspace measurement."""
+
+    name: str
+    phase: int
+    flops: int
+    bytes_moved: int
+    dtype: str
+    """Dtype of the op's first floating input ("float32", "bfloat16", …)."""
+    new_bytes: int = 0
+    """Bytes of the storages the op created."""
+    moves_data: bool = True
+    """False for views, metadata and fake-tensor bookkeeping ops: they cost no kernel."""
+
+    @property
+    def significant(self) -> bool:
+        """Ops that allocate or compute: the ones real and fake runs share (fake tensors add
+        bookkeeping ops such as ``prim.device`` and ``detach`` that a real run lacks)."""
+        return self.new_bytes > 0 or self.flops > 0
+
+
+class Recorder(TorchDispatchMode):
+    """Records storage births (op outputs) and deaths (weakref callbacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc_bytes: list[int] = []
+        self.alloc_category: list[int] = []
+        self.event_alloc: list[int] = []
+        self.event_sign: list[int] = []
+        self.event_phase: list[int] = []
+        self.phase = 0
+        self.live: dict[int, int] = {}  # id(storage) -> allocation index
+        self._refs: dict[int, weakref.ref] = {}
+        self.ops: list[OpRecord] = []
+        self.op_positions: list[int] = []  # per op: event position right after its outputs
+        self.op_new_bytes: list[int] = []  # per op: bytes of the storages it created
+        self.quiet = False  # batch creation is not part of the step's ops
+        self.label_ops = False  # wrap ops in profiler ranges (real runs measuring workspaces)
+        self.host: list[int] = []  # allocations in host memory whatever the device
+
+    # storages --------------------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, category: Category = Category.TEMPORARIES) -> int | None:
+        try:
+            # FSDP2's parameters, gradients and optimizer state are DTensors: the memory is
+            # their local shard's.
+            storage = _distributed.local_tensor(tensor).untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return None  # sparse / nested tensors without a plain storage
+        key = id(storage)
+        index = self.live.get(key)
+        if index is not None:
+            return index
+        nbytes = int(storage.nbytes())
+        index = len(self.alloc_bytes)
+        self.alloc_bytes.append(nbytes)
+        self.alloc_category.append(int(category))
+        self.live[key] = index
+        self._event(index, +1)
+        self._refs[key] = weakref.ref(storage, functools_partial(self._released, key))
+        return index
+
+    def _released(self, key: int, _ref: object) -> None:
+        index = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if index is not None:
+            self._event(index, -1)
+
+    def resized_down(self, tensor: torch.Tensor) -> None:
+        """The storage of ``tensor`` is about to be resized to 0 bytes (FSDP2 freeing an
+        unsharded parameter): a free, though the storage object lives on."""
+        key = id(tensor.untyped_storage())
+        index = self.live.pop(key, None)
+        self._refs.pop(key, None)  # the dropped weakref will not report the storage's death
+        if index is not None:
+            self._event(index, -1)
+
+    def resized_up(self, tensor: torch.Tensor) -> None:
+        """The storage of ``tensor`` was resized from 0 bytes: a new allocation of its size."""
+        self.track(tensor, Category.PARAMS)
+
+    def _event(self, index: int, sign: int) -> None:
+        self.event_alloc.append(index)
+        self.event_sign.append(sign)
+        self.event_phase.append(self.phase)
+
+    def index_of(self, tensor: torch.Tensor) -> int | None:
+        try:
+            return self.live.get(id(_distributed.local_tensor(tensor).untyped_storage()))
+        except (NotImplementedError, RuntimeError):
+            return None
+
+    # ops -------------------------------------------------------------------------------
+    def _track_outputs(self, func: Any, out: Any) -> bool | tuple[bool, ...]:
+        # Returns the schema marks as aliases (views, in-place and out= results) are storage
+        # that already exists — possibly from before the trace, like the dataset tensor a
+        # batch item is a view of; only the other returns can be new allocations.
+        aliased = _aliased(func)
+        if aliased is True:
+            return aliased
+        returns = out if isinstance(out, (tuple, list)) else (out,)
+        flags = aliased if isinstance(aliased, tuple) else (False,) * len(returns)
+        for ret, is_alias in zip(returns, flags):
+            if not is_alias:
+                for t in _tensors(ret, []):
+                    self.track(t)
+        return aliased
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if self.quiet:
+            out = func(*args, **kwargs)
+            self._track_outputs(func, out)
+            return out
+        if self.label_ops:
+            with torch.profiler.record_function(f"memplan_op::{len(self.ops)}"):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        in_tensors = _tensors(args, _tensors(kwargs, []))
+        out_tensors = _tensors(out, [])
+        before = len(self.alloc_bytes)
+        aliased = self._track_outputs(func, out)
+        new_bytes = sum(self.alloc_bytes[before:])
+        flops = 0
+        if packet in flop_registry:
+            try:
+                flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            except Exception:  # noqa: BLE001 - a counting failure must not stop the trace
+                flops = 0
+        moved = sum(_nbytes(t) for t in in_tensors) + sum(_nbytes(t) for t in out_tensors)
+        dtype = next((_dtype_name(t.dtype) for t in in_tensors if t.is_floating_point()), "none")
+        inplace = aliased is True and (packet.__name__.endswith("_") or "out" in kwargs)
+        moves = bool(out_tensors) and (new_bytes > 0 or inplace or flops > 0)
+        name = _OP_NAMES.get(packet)
+        if name is None:
+            name = _OP_NAMES[packet] = str(packet)
+        self.ops.append(OpRecord(name, self.phase, flops, moved, dtype, new_bytes, moves))
+        self.op_positions.append(len(self.event_alloc))
+        self.op_new_bytes.append(new_bytes)
+        return out
+
+
+_ALIASED: dict[Any, Any] = {}
+_OP_NAMES: dict[Any, str] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results, appended to ``out`` in order.
+
+    Aten ops take and return tensors, lists or tuples of them, scalars and None (dicts only
+    as kwargs); a direct walk is several times cheaper than the generic pytree flatten, and
+    the trace runs it twice per op."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                out.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                _tensors(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _tensors(item, out)
+    return out
+
+
+# ``torch.tensor(data)`` builds its tensor outside the dispatcher; these ops are where such a
+# fresh tensor first appears, returned as an "alias" of itself: it is a new allocation.
+_FRESH = {"lift_fresh", "lift_fresh_copy", "lift"}
+
+
+def _aliased(func: Any) -> bool | tuple[bool, ...]:
+    if func not in _ALIASED:
+        from ..runtime._guard import _aliased_returns
+        _ALIASED[func] = False if func._overloadpacket.__name__ in _FRESH else _aliased_returns(func)
+    return _ALIASED[func]
+
+
+def functools_partial(fn: Any, key: int) -> Any:
+    # A plain closure is cheaper than functools.partial for the millions of weakrefs of big traces.
+    return lambda ref: fn(key, ref)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+# -- building the model on fake tensors ---------------------------------------------------
+
+@contextlib.contextmanager
+def recorded_rng_states(rec: Recorder) -> Iterator[None]:
+    """Record the CPU RNG states ``torch.utils.checkpoint`` saves (one 5,056-byte tensor per
+    checkpointed block): ``torch.get_rng_state`` builds them outside the dispatcher, where no
+    dispatch mode sees them. They stay in host memory when training on a GPU."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        if not rec.quiet:
+            index = rec.track(state, Category.ACTIVATIONS)
+            if index is not None:
+                rec.host.append(index)
+        return state
+
+    torch.get_rng_state = get_rng_state  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original  # type: ignore[assignment]
+
+
+def _mark(rec: Recorder, indices: set[int], category: Category, *, only_from: Category) -> None:
+    for i in indices:
+        if rec.alloc_category[i] == only_from:
+            rec.alloc_category[i] = int(category)
+
+
+def _mark_tensor(rec: Recorder, tensor: torch.Tensor, category: Category) -> None:
+    index = rec.index_of(tensor)
+    if index is not None and rec.alloc_category[index] in (Category.TEMPORARIES, Category.ACTIVATIONS):
+        rec.alloc_category[index] = int(category)
+
+
+class RecordingHooks(StepHooks):
+    def __init__(self, rec: Recorder, phase_labels: list[str]) -> None:
+        self.rec, self.labels = rec, phase_labels
+
+    def phase(self, label: str, kind: str = "") -> None:
+        self.labels.append(label)
+        self.rec.phase = len(self.labels) - 1
+
+    def making_batch(self, on: bool) -> None:
+        self.rec.quiet = on
+
+    def batch(self, batch: Any) -> None:
+        for leaf in tree_flatten(batch)[0]:
+            if isinstance(leaf, torch.Tensor):
+                index = self.rec.track(leaf, Category.BATCH)
+                if index is not None:
+                    self.rec.alloc_category[index] = int(Category.BATCH)
+
+    def after_forward(self) -> None:
+        _mark(self.rec, set(self.rec.live.values()), Category.ACTIVATIONS, only_from=Category.TEMPORARIES)
+
+    def after_backward(self, model: nn.Module) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                _mark_tensor(self.rec, p.grad, Category.GRADIENTS)
+
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    _mark_tensor(self.rec, value, Category.OPTIMIZER)
+        if scaler is not None:
+            for value in (scaler._scale, scaler._growth_tracker):
+                if value is not None:
+                    _mark_tensor(self.rec, value, Category.OPTIMIZER)
+
+    def held(self, tensors: Any, kind: str) -> None:
+        for t in tensors:
+            index = self.rec.track(t, Category.EMA)
+            if index is not None:
+                self.rec.alloc_category[index] = int(Category.EMA)
