@@ -12,6 +12,11 @@ from ._errors import (
     UnknownGPUError,
 )
 from ._estimate import Estimate, Estimator, estimate, resolve_target
+from ._shapes import grouped_order
+from ._task import default_logits_and_targets, default_loss
+from .probing._probe import is_oom_error
+from .runtime import _checkpoint as checkpointing, _parallel as parallel, _precision as precision
+from .runtime._guard import MemoryGuard
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
 from ._task import Task, load_task
 from ._units import format_size, parse_count, parse_size
@@ -24,4 +29,7 @@ __all__ = [
     "GPUSpec", "detect_local_gpu", "get_gpu", "gpu_names",
     "Task", "load_task",
     "format_size", "parse_count", "parse_size",
+    # for memplan's trainer: the step's techniques and what the trainer shares with the estimator
+    "checkpointing", "parallel", "precision", "MemoryGuard", "is_oom_error", "grouped_order",
+    "default_logits_and_targets", "default_loss",
 ]

@@ -15,17 +15,15 @@ __version__ = "0.1.0"
 
 from ._doctor import doctor  # noqa: E402
 from ._fit import fit, train_plan  # noqa: E402 - the version is read by provenance()
-from ._launch import LaunchSpec, launch_training  # noqa: E402
 from ._lr_find import lr_find  # noqa: E402
 from ._plan import Plan, PlanEntry  # noqa: E402
-from ._recovery import keep_global_batch  # noqa: E402
 from ._search import search  # noqa: E402
-from ._trainer import TrainOptions, TrainResult, train  # noqa: E402
+from .training import LaunchSpec, TrainOptions, TrainResult, Trainer, keep_global_batch, launch_training, train  # noqa: E402,I001
 from . import nn  # noqa: E402 - memplan.nn: init_weights and DropPath for model files
 
 __all__ = [
     "ConfigError", "Estimate", "Estimator", "MemplanError", "ModelFileError", "NoFeasiblePlanError",
     "Task", "TrainConfig", "TrainingError", "estimate", "format_size", "load_task", "parse_size",
-    "LaunchSpec", "Plan", "PlanEntry", "TrainOptions", "TrainResult", "fit", "keep_global_batch", "search", "train", "train_plan",
+    "LaunchSpec", "Plan", "PlanEntry", "TrainOptions", "TrainResult", "Trainer", "fit", "keep_global_batch", "search", "train", "train_plan",
     "launch_training", "doctor", "lr_find", "__version__",
 ]

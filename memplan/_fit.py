@@ -14,10 +14,10 @@ import torch.nn as nn
 from estimators import ConfigError, Task, parse_size
 from estimators.runtime._guard import MemoryGuard
 
-from ._launch import LaunchSpec, launch_training
+from .training import LaunchSpec, launch_training
 from ._plan import Plan
 from ._search import resolve_task, search
-from ._trainer import TrainOptions, TrainResult, train
+from .training import TrainOptions, TrainResult, train
 
 __all__ = ["fit", "train_plan"]
 
