@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from estimators import ConfigError, ModelFileError
+from estimators import ConfigError, ModelFileError, grouped_order
 
 __all__ = ["epoch_permutation", "epoch_items"]
 
@@ -89,7 +89,6 @@ class _EpochBatches:
             # Length-grouped: the same permutation, sorted by size within mega-batches of 50
             # global batches (the longest batch first); a pure function of (seed, epoch), so
             # a resumed run meets the same windows.
-            from estimators import grouped_order
             order = torch.as_tensor(grouped_order(self.sizes, order.numpy(), self.global_batch))
         order = order.tolist()
         out: list[_Window] = []

@@ -144,11 +144,7 @@ def launch_training(
     run_id = spec.rdzv_id or uuid.uuid4().hex[:12]
     threads = max(1, (os.cpu_count() or 1) // spec.nproc_per_node)
     if spec.start_method == "forkserver":
-        import multiprocessing
-
-        # Effective when the server starts (the first launch of this process); later launches,
-        # the relaunches of OOM recovery among them, fork from the warm server.
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        _preload_forkserver()
     attempt = 0
     while True:
         OOMRecord.clear(out_dir)
@@ -158,21 +154,18 @@ def launch_training(
             budget_bytes=budget_bytes, ladder=[c.to_dict() for c in rungs], recovery_state=recovery_state,
             threads=threads, timeout_s=spec.timeout_s, log_level=logging.getLogger("memplan").getEffectiveLevel(), env=dict(os.environ),
         )
-        launch_config = _launch_config(spec, f"{run_id}-{attempt}")
         try:
             with _quiet_agent():
-                results = elastic_launch(launch_config, _rank_main)(job)
+                results = elastic_launch(_launch_config(spec, f"{run_id}-{attempt}"), _rank_main)(job)
         except ChildFailedError as exc:
             records = OOMRecord.read_all(out_dir)
             if not records:
                 raise TrainingError(_failure_message(exc, out_dir)) from None
-            new, event = _step_down(records, rungs, peaks, budget_bytes, tried, spec, out_dir)
-            first = records[0]
+            config, event = _step_down(records, rungs, peaks, budget_bytes, tried, spec, out_dir)
             recoveries.append(event)
-            config = new
             options = replace(options, resume=True)
             recovery_state = {"recoveries": recoveries, "tried": [c.to_dict() for c in tried],
-                              "failed_at": first.time}
+                              "failed_at": records[0].time}
             attempt += 1
             continue
         OOMRecord.clear(out_dir)
@@ -193,6 +186,14 @@ def _check_launch(config: TrainConfig, spec: LaunchSpec) -> None:
     if config.nodes != spec.nnodes:
         log.warning("the configuration was planned for %d machine(s) and runs on %d: its predicted step time "
                     "assumed another network", config.nodes, spec.nnodes)
+
+
+def _preload_forkserver() -> None:
+    """Effective when the server starts (the first launch of this process); later launches,
+    the relaunches of OOM recovery among them, fork from the warm server."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
 def _launch_config(spec: LaunchSpec, run_id: str) -> Any:

@@ -70,6 +70,10 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
     :class:`DistributedOOM`; the launcher chooses the next rung and starts every rank again.
     ``recovery_state`` is how it hands its decision over (``{"recoveries": [...], "tried":
     [...]}``): the run keeps ``config`` instead of switching back to the checkpoint's.
+
+    The class holds the loop; its bases are its parts, one module each (data, the step, OOM
+    recovery, evaluation, checkpoints, metrics, signals, rank agreement), sharing its
+    attributes; the progress counters are ``self.state`` (:class:`TrainState`).
     """
 
     def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *,
