@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Task, TrainConfig, TrainingError, load_task
-from memplan.training._checkpoint_io import load_checkpoint, save_checkpoint
 from memplan._schedules import SCHEDULES, make_schedule
 from memplan.training import Trainer, TrainOptions, epoch_permutation, train
+from memplan.training._checkpoint_io import load_checkpoint, save_checkpoint
 
 # estimators caches datasets by id(task); keep every task alive so that no id is reused.
 _TASKS: list[Task] = []

@@ -79,7 +79,7 @@ class _InProcessRecovery:
             # Outside the except block: the traceback and its frames (and their tensors) are gone.
             t0 = time.perf_counter()
             batches = iter(())  # drop the half-read micro-batches
-            phase, peak = self._phase, self._failure_peak()
+            phase, peak = self._phase, self._window_peak()
             self._set_phase("recovery")
             undo, self._optimizer_undo = self._optimizer_undo, None
             self.optimizer.zero_grad(set_to_none=True)
@@ -110,7 +110,7 @@ class _InProcessRecovery:
                     raise
                 message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             t0 = time.perf_counter()
-            peak = self._failure_peak()
+            peak = self._window_peak()
             self._set_phase("recovery")
             free_memory(self.device, optimizer=self.optimizer)
             if self.distributed:
@@ -128,12 +128,6 @@ class _InProcessRecovery:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif hasattr(self.memory_guard, "reset_peak"):
             self.memory_guard.reset_peak()  # type: ignore[union-attr]
-
-    def _failure_peak(self) -> int | None:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        peak = getattr(self.memory_guard, "peak_bytes", None)
-        return int(peak) if peak is not None else None
 
     def _budget(self) -> int | None:
         budget = getattr(self.memory_guard, "budget_bytes", None)
