@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from estimators import Task, TrainConfig  # noqa: E402
 from estimators.runtime._guard import MemoryGuard  # noqa: E402
-from memplan._checkpoint_io import load_checkpoint  # noqa: E402
-from memplan._trainer import TrainOptions, train  # noqa: E402
+from memplan.training._checkpoint_io import load_checkpoint  # noqa: E402
+from memplan.training import TrainOptions, train  # noqa: E402
 
 BIG = TrainConfig(micro_batch_size=8)
 LADDER = [TrainConfig(micro_batch_size=4, grad_accum_steps=2), TrainConfig(micro_batch_size=2, grad_accum_steps=4),

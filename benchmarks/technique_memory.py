@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from estimators import TrainConfig, estimate, format_size, load_task  # noqa: E402
 from estimators.runtime._guard import MemoryGuard  # noqa: E402
-from memplan._trainer import TrainOptions, train  # noqa: E402
+from memplan.training import TrainOptions, train  # noqa: E402
 
 VARIANTS = {
     "clip off": {"grad_clip_mode": "off"},

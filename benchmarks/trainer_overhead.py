@@ -67,8 +67,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from estimators import TrainConfig, load_task  # noqa: E402
 from estimators.runtime._guard import MemoryGuard  # noqa: E402
-from memplan import _trainer  # noqa: E402
-from memplan._trainer import TrainOptions, train  # noqa: E402
+from memplan.training import _trainer  # noqa: E402
+from memplan.training import TrainOptions, train  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "trainer.md"
 MODELS = {

@@ -1,7 +1,12 @@
 """Prediction only: memory and time of PyTorch training configurations, static and probed.
 
-Knows nothing of search or training loops; applies precision and checkpointing through the
-same helpers the trainer uses (``estimators.precision``, ``estimators.checkpointing``).
+Knows nothing of search or training loops, but owns the training step itself
+(``train_step`` and its techniques, in :mod:`estimators.runtime`): the trace records it, the
+probes time it and memplan's trainer runs it, so that what is predicted is what runs.
+
+Layers (sub-packages): ``runtime`` (the step and its techniques), ``tracing`` (recording a
+step), ``memory`` (from a trace to bytes), ``timing`` (from a trace to seconds), ``probing``
+(real steps in a child process). This module is the public surface memplan uses.
 """
 
 from __future__ import annotations
@@ -13,26 +18,38 @@ from ._errors import (
 )
 from ._estimate import Estimate, Estimator, estimate, resolve_target
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
-from ._task import Task, load_task
+from ._shapes import grouped_order
+from ._task import Task, default_logits_and_targets, default_loss, load_task
 from ._units import format_size, parse_count, parse_size
-# What memplan's search, plots, lr-find and fit use beyond the estimate itself.
 from .memory._snapshot import write_snapshot
 from .memory._timeline import Timeline, predicted_timeline
 from .probing._probe import prestart, probe
 from .probing._race import race
+from .runtime._build import BuiltModel, build_for_training, checkpoint_more
 from .runtime._checkpoint import max_checkpoint_segments
+from .runtime._ema import EMA
 from .runtime._guard import MemoryGuard
+from .runtime._oom import is_oom_error
+from .runtime._options import StepOptions
 from .runtime._precision import backward, forward_context, make_grad_scaler, optimizer_step
+from .runtime._step import StepHooks, StepParts, StepResult, train_step, training_loss
 from .tracing._recorder import Category
 
 __all__ = [
+    # configurations, tasks, errors, units
     "PRECISIONS", "Precision", "Strategy", "TrainConfig", "normalize_precision",
     "ConfigError", "MemplanError", "ModelFileError", "NoFeasiblePlanError", "ProbeError",
     "TrainingError", "UnknownGPUError",
+    "Task", "load_task", "default_logits_and_targets", "default_loss", "grouped_order",
+    "format_size", "parse_count", "parse_size",
+    # the estimate, the target, probes and races
     "Estimate", "Estimator", "estimate", "resolve_target",
     "GPUSpec", "detect_local_gpu", "get_gpu", "gpu_names",
-    "Task", "load_task",
-    "format_size", "parse_count", "parse_size",
-    "write_snapshot", "Timeline", "predicted_timeline", "prestart", "probe", "race", "max_checkpoint_segments",
-    "MemoryGuard", "backward", "forward_context", "make_grad_scaler", "optimizer_step", "Category",
+    "prestart", "probe", "race",
+    "write_snapshot", "Timeline", "predicted_timeline", "Category",
+    # the training step and its techniques
+    "train_step", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
+    "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "EMA",
+    "backward", "forward_context", "make_grad_scaler", "optimizer_step",
+    "MemoryGuard", "is_oom_error",
 ]

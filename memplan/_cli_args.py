@@ -80,7 +80,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 
 def launch_spec(args: argparse.Namespace, nproc: int | None = None):
     """The launch asked for on the command line; None: none (the plan decides)."""
-    from ._launch import LaunchSpec
+    from .training import LaunchSpec
     nproc = nproc if nproc is not None else (parse_count(args.nproc, what="--nproc") if args.nproc else None)
     nnodes = parse_count(args.nnodes, what="--nnodes")
     if nproc is None and nnodes == 1:

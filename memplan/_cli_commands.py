@@ -193,6 +193,7 @@ class FitCommand:
         spec = launch_spec(args, nproc if nproc is not None else gpus)
         task = resolve_task(args.model)
         options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
+        task = task.with_step(options.step_options())  # the step the trainer will run is the one estimated
         plan = resumed_plan(args.out) if args.resume else None
         if plan is None:
             plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **search_kwargs(args),

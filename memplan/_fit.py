@@ -13,9 +13,8 @@ import torch.nn as nn
 
 from estimators import ConfigError, MemoryGuard, Task, parse_size
 
-from ._launch import LaunchSpec, launch_training
 from .planning import Plan, resolve_task, search
-from ._trainer import TrainOptions, TrainResult, train
+from .training import LaunchSpec, TrainOptions, TrainResult, launch_training, train
 
 __all__ = ["fit", "train_plan"]
 
@@ -113,6 +112,7 @@ def fit(
     if options is not None and option_values:
         raise ConfigError(f"give TrainOptions or its fields as keywords, not both ({', '.join(option_values)})")
     opts = options or _options_from(task, option_values)
+    task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
     plan = resumed_plan(opts.out_dir) if opts.resume else None
     if plan is None:
         plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,

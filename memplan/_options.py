@@ -1,6 +1,6 @@
 """One options model, three ways in: CLI flags, a TOML config file, the model file's ``settings``.
 
-Every field of :class:`~memplan._trainer.TrainOptions` is an option: its flag is the field's
+Every field of :class:`~memplan.training.TrainOptions` is an option: its flag is the field's
 name in kebab case (``ema_decay`` -> ``--ema-decay``), its config and ``settings`` key the
 field's name. The flag's help is the field's attribute docstring, its parsing follows the
 field's type. A value given on the command line wins over the config file's, which wins over
@@ -28,7 +28,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from estimators import ConfigError
 
-from ._trainer import TrainOptions
+from .training import TrainOptions
 
 __all__ = ["OptionSpec", "option_specs", "add_option_flags", "explicit_dests", "read_config", "resolve_options",
            "SEARCH_KEYS", "config_template", "readme_table"]

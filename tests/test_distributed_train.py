@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from estimators import TrainConfig, TrainingError, load_task
-from memplan._checkpoint_io import SHARDED_DIR, load_checkpoint
-from memplan._launch import LaunchSpec, launch_training
-from memplan._trainer import TrainOptions, Trainer, epoch_items, epoch_permutation, train
+from memplan.training._checkpoint_io import SHARDED_DIR, load_checkpoint
+from memplan.training import LaunchSpec, launch_training
+from memplan.training import TrainOptions, Trainer, epoch_items, epoch_permutation, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_thread")]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memplan._monitor import GpuMonitor, TrainingMonitor, layer_grad_norms, nvml_index
+from memplan.training._monitor import GpuMonitor, TrainingMonitor, layer_grad_norms, nvml_index
 
 
 class FakeNvml(types.ModuleType):
@@ -114,9 +114,9 @@ def test_layer_grad_norms_combine_weight_and_bias_and_undo_clipping():
 
 
 def test_trainer_logs_layer_norms_at_step_1_and_every_nth(write_model, tmp_path, monkeypatch):
-    monkeypatch.setattr("memplan._monitor.GRAD_NORMS_EVERY", 4)
+    monkeypatch.setattr("memplan.training._monitor.GRAD_NORMS_EVERY", 4)
     from estimators import TrainConfig, load_task
-    from memplan._trainer import TrainOptions, train
+    from memplan.training import TrainOptions, train
     path = write_model("""
 import torch, torch.nn as nn
 from torch.utils.data import TensorDataset

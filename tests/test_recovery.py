@@ -19,9 +19,9 @@ from torch.utils.data import TensorDataset
 
 from estimators import Task, TrainConfig, TrainingError
 from estimators.runtime._guard import MemoryGuard
-from memplan._checkpoint_io import load_checkpoint
-from memplan._recovery import keep_global_batch, next_micro_batch
-from memplan._trainer import Trainer, TrainOptions, train
+from memplan.training._checkpoint_io import load_checkpoint
+from memplan.training._recovery import keep_global_batch, next_micro_batch
+from memplan.training import Trainer, TrainOptions, train
 
 _TASKS: list[Task] = []  # estimators caches datasets by id(task): keep every task alive
 

@@ -235,7 +235,7 @@ def test_search_chooses_length_grouped_batching_for_padded_text(text_task):
 
 def test_length_grouped_order_pads_less_and_resumes_exactly(tmp_path, text_task):
     from memplan import TrainOptions, train
-    from memplan._trainer import _EpochBatches
+    from memplan.training._data import _EpochBatches
     small = dataclasses.replace(text_task, train_data=lambda: Subset(text_task.dataset(), range(128)), _cache={})
     lengths = torch.tensor([len(small.dataset()[i][0]) for i in range(128)])
     padded = {}

@@ -21,9 +21,9 @@ from torch.utils.data import TensorDataset
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, load_task
 from estimators.runtime._precision import make_grad_scaler
 from estimators._task import default_optimizer
-from memplan._checkpoint_io import load_checkpoint
+from memplan.training._checkpoint_io import load_checkpoint
 from memplan._schedules import SCHEDULES, make_schedule
-from memplan._trainer import Trainer, TrainOptions, epoch_permutation, train
+from memplan.training import Trainer, TrainOptions, epoch_permutation, train
 from memplan.nn import DropPath, init_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

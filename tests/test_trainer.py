@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Task, TrainConfig, TrainingError, load_task
-from memplan._checkpoint_io import load_checkpoint, save_checkpoint
 from memplan._schedules import SCHEDULES, make_schedule
-from memplan._trainer import Trainer, TrainOptions, epoch_permutation, train
+from memplan.training import Trainer, TrainOptions, epoch_permutation, train
+from memplan.training._checkpoint_io import load_checkpoint, save_checkpoint
 
 # estimators caches datasets by id(task); keep every task alive so that no id is reused.
 _TASKS: list[Task] = []
@@ -226,7 +226,7 @@ def _cut_in_half(path: Path) -> None:
 
 
 def test_a_damaged_checkpoint_costs_one_interval_not_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from memplan._checkpoint_io import previous_path
+    from memplan.training._checkpoint_io import previous_path
     config = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
     common = dict(schedule="constant", seed=5, checkpoint_every=2)
     full = train(model_file_task(tmp_path), config, opts(tmp_path, "full", max_steps=12, **common))
@@ -244,7 +244,7 @@ def test_a_damaged_checkpoint_costs_one_interval_not_the_run(tmp_path: Path, cap
 
 
 def test_damaged_checkpoints_are_one_line_errors_naming_the_file(tmp_path: Path) -> None:
-    from memplan._checkpoint_io import DamagedCheckpointError, previous_path
+    from memplan.training._checkpoint_io import DamagedCheckpointError, previous_path
     task = model_file_task(tmp_path)
     config = TrainConfig(micro_batch_size=4)
     train(task, config, opts(tmp_path, "d", max_steps=3, checkpoint_every=1))
@@ -483,7 +483,7 @@ def test_failed_checkpoint_write_keeps_the_old_file(tmp_path: Path) -> None:
 # every checkpoint, every line logged so far must be on disk.
 
 def test_metrics_lines_are_on_disk_at_every_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import memplan._trainer as trainer_module
+    import memplan.training._checkpoints as trainer_module
 
     on_disk: dict[int, list[int]] = {}
     real_save = trainer_module.save_checkpoint

@@ -29,6 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from estimators import Estimator, Task, TrainConfig
 
+from .._version import __version__
 from ._space import SearchSpace, layout_key
 
 __all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners"]
@@ -103,6 +104,9 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
         task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
         budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
         space.checkpoint_segments, tuple(layout.key for layout in space.layouts), torch.__version__,
+        # The step the estimates are of (clipping, EMA, ...) and the code that made them: a
+        # study of another step or another memplan holds figures this one would not produce.
+        task.step.key(), __version__,
         # Only a non-default policy names itself, so that existing studies keep their names.
         *((task.shape_policy,) if task.shape_policy != "max" else ()),
         *((space.grouping,) if space.grouping != (False,) else ()),

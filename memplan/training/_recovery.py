@@ -1,7 +1,7 @@
 """Out-of-memory recovery: the trainer's helpers and :func:`keep_global_batch` for own loops.
 
 The rule every helper here follows (FACTS.md, "After an OOM"): catch the error by type
-(:func:`estimators.probing._probe.is_oom_error`), keep nothing of it but its message, and recover
+(:func:`estimators.is_oom_error`), keep nothing of it but its message, and recover
 *outside* the ``except`` block -- while the exception is being handled its traceback keeps the
 failed step's frames, and with them its tensors, alive. Recovery then drops the references,
 runs ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``.
@@ -20,17 +20,16 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from estimators import ConfigError, TrainConfig, TrainingError
-from estimators.probing._probe import is_oom_error
+from estimators import ConfigError, TrainConfig, TrainingError, is_oom_error
 
 __all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
-           "DistributedOOM", "ladder_peaks", "pick_rung"]
+           "DistributedOOM", "ladder_configs", "ladder_peaks", "pick_rung"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,6 +66,20 @@ def free_memory(device: torch.device | str | None = None, *,
     kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def ladder_configs(ladder: Sequence[Any] | None, config: TrainConfig) -> list[TrainConfig]:
+    """``Plan.ladder()`` entries or configs -> the configs with ``config``'s global batch, in order."""
+    out: list[TrainConfig] = []
+    for rung in ladder or ():
+        c = getattr(rung, "config", rung)
+        if isinstance(c, Mapping):
+            c = TrainConfig.from_dict(dict(c))
+        if not isinstance(c, TrainConfig):
+            raise ConfigError(f"ladder entries must be TrainConfig or PlanEntry, got {type(rung).__name__}")
+        if c.global_batch == config.global_batch and c != config and c not in out:
+            out.append(c)
+    return out
 
 
 def ladder_peaks(ladder: Iterable[Any] | None) -> dict[TrainConfig, int]:
@@ -121,7 +134,7 @@ class RecoveryEvent:
 
 class DistributedOOM(TrainingError):
     """A rank of a distributed run ran out of memory and left; the launcher recovers (see
-    :mod:`memplan._launch`) from the :class:`OOMRecord` it wrote."""
+    :mod:`memplan.training._launch`) from the :class:`OOMRecord` it wrote."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,20 +304,7 @@ def keep_global_batch(global_batch: int, starting_micro_batch: int | None = None
                         raise
                     message = f"{type(exc).__name__}: {exc}"
                 # Outside the except block: the traceback (and the step's tensors) are gone.
-                t0 = time.perf_counter()
-                free_memory(device)
-                smaller = next_micro_batch(global_batch, micro)
-                if smaller is None:
-                    raise TrainingError(
-                        f"{fn.__name__} ran out of memory with micro-batch 1 x {global_batch} accumulation "
-                        f"steps (tried {wrapper.history}); nothing smaller keeps the global batch "  # type: ignore[attr-defined]
-                        f"of {global_batch} -- free memory or reduce the model ({message})"
-                    )
-                wrapper.micro_batch_size = smaller  # type: ignore[attr-defined]
-                wrapper.grad_accum_steps = global_batch // smaller  # type: ignore[attr-defined]
-                if before_retry is not None:
-                    before_retry(smaller, global_batch // smaller)
-                wrapper.recovery_seconds.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+                _halve_micro_batch(wrapper, fn.__name__, global_batch, message, before_retry, device)
 
         wrapper.micro_batch_size = start  # type: ignore[attr-defined]
         wrapper.grad_accum_steps = global_batch // start  # type: ignore[attr-defined]
@@ -312,3 +312,23 @@ def keep_global_batch(global_batch: int, starting_micro_batch: int | None = None
         wrapper.recovery_seconds = []  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
     return decorate
+
+
+def _halve_micro_batch(wrapper: Any, name: str, global_batch: int, message: str | None,
+                       before_retry: Callable[[int, int], None] | None, device: str | torch.device | None) -> None:
+    """:func:`keep_global_batch` after an OOM: free memory and halve ``wrapper``'s micro-batch
+    (to the next divisor of the global batch), or stop when micro-batch 1 failed."""
+    t0 = time.perf_counter()
+    free_memory(device)
+    smaller = next_micro_batch(global_batch, wrapper.micro_batch_size)
+    if smaller is None:
+        raise TrainingError(
+            f"{name} ran out of memory with micro-batch 1 x {global_batch} accumulation "
+            f"steps (tried {wrapper.history}); nothing smaller keeps the global batch "
+            f"of {global_batch} -- free memory or reduce the model ({message})"
+        )
+    wrapper.micro_batch_size = smaller
+    wrapper.grad_accum_steps = global_batch // smaller
+    if before_retry is not None:
+        before_retry(smaller, global_batch // smaller)
+    wrapper.recovery_seconds.append(time.perf_counter() - t0)

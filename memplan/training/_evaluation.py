@@ -1,0 +1,192 @@
+"""Evaluation: validation metrics, the best weights, early stopping's count, and the weights a
+run writes at its end (``model.pt``: the best with early stopping, else the final; EMA's if on).
+
+A part of :class:`~memplan.training.Trainer`. Evaluating with EMA on swaps the EMA weights into
+the model for the duration: a second copy of the evaluated weights, not in the estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+
+from estimators import ConfigError, default_logits_and_targets, default_loss
+from estimators import forward_context
+
+from ._checkpoint_io import load_checkpoint, save_checkpoint
+
+__all__: list[str] = []
+
+Batch = Any
+
+
+class _Evaluation:
+    """Validation and the best weights (reads ``val_loader``, ``model``, ``ema``, ``state``)."""
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (mean over samples) and, with the default loss and class targets,
+        accuracy (per token for ``(B, T, V)`` outputs). Uses the EMA weights when on."""
+        self._set_phase("evaluation")
+        assert self.val_loader is not None
+        default = self.task.loss_fn is default_loss
+        total_loss, total_weight, correct, counted = 0.0, 0, 0, 0
+        # DDP: the module itself (its wrapper's forward would broadcast buffers, a collective that
+        # ranks with fewer validation batches would not join). FSDP2: the sharded module, whose
+        # forward all-gathers, so every rank runs as many forward passes (see the padding below).
+        # Compiled single-device runs evaluate the compiled module.
+        eval_model = self.model if self.distributed else self.forward_model
+        self.model.eval()
+        swap = self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
+        try:
+            with swap:
+                batches: Iterator[tuple[Batch, bool]] = ((b, True) for b in self.val_loader)
+                if self.config.strategy == "fsdp":
+                    batches = self._padded_val_batches()
+                for batch, counts in batches:
+                    batch = self._to_device(batch)
+                    with forward_context(self.config.precision, self.device.type):
+                        if default:
+                            logits, targets = default_logits_and_targets(eval_model, batch)
+                            loss = F.cross_entropy(logits.float(), targets)
+                        else:
+                            loss = self.task.compute_loss(eval_model, batch)
+                    if not counts:
+                        continue  # a padding pass: it only keeps this rank in step with the others
+                    if default and not targets.is_floating_point():
+                        valid = targets != -100  # cross_entropy's ignore_index
+                        n = int(valid.sum())
+                        correct += int(((logits.argmax(dim=1) == targets) & valid).sum())
+                        counted += n
+                    else:
+                        n = _batch_len(batch)
+                    if n:
+                        total_loss += float(loss) * n
+                        total_weight += n
+        finally:
+            self.model.train()
+        if self.distributed:
+            # Each rank evaluated its share (items r::W): the metrics are of the sums over ranks.
+            sums = torch.tensor([total_loss, total_weight, correct, counted], dtype=torch.float64, device=self._comm_device)
+            dist.all_reduce(sums)
+            total_loss, total_weight, correct, counted = sums[0].item(), int(sums[1].item()), int(sums[2].item()), int(sums[3].item())
+        metrics = {"val_loss": total_loss / total_weight if total_weight else float("nan")}
+        if counted:
+            metrics["val_accuracy"] = correct / counted
+        return metrics
+
+    def _padded_val_batches(self) -> Iterator[tuple[Batch, bool]]:
+        """This rank's validation batches, then as many padding passes (the first batch again,
+        not counted) as it takes to match the rank with the most batches."""
+        assert self.val_loader is not None
+        n_val = len(self.val_loader.dataset)  # type: ignore[arg-type]
+        most = math.ceil(math.ceil(n_val / self.world_size) / self.config.micro_batch_size)
+        first, seen = None, 0
+        for batch in self.val_loader:
+            if first is None:
+                first = batch
+            seen += 1
+            yield batch, True
+        if first is None:  # fewer items than ranks: this rank has none
+            first = self.task.collate([self.val_loader.dataset[0]])  # type: ignore[index]
+        for _ in range(most - seen):
+            yield first, False
+
+    def _evaluate_and_track(self) -> None:
+        metrics = self._evaluate_recovering()
+        self.state.last_metrics, self.state.last_eval_step = metrics, self.state.step
+        if self.options.monitor not in metrics:
+            raise ConfigError(
+                f"monitor {self.options.monitor!r} is not a validation metric of {self.task.name}; "
+                f"available: {', '.join(sorted(metrics))}"
+            )
+        value = metrics[self.options.monitor]
+        improved = math.isfinite(value) and (
+            self.state.best_metric is None
+            or (value < self.state.best_metric if self.options.mode == "min" else value > self.state.best_metric)
+        )
+        # Early stopping's own yardstick: only a gain of more than min_delta over the value of
+        # the last such gain resets the patience (the best weights follow every gain).
+        delta = self.options.early_stopping_min_delta
+        significant = math.isfinite(value) and (
+            self.state.stop_reference is None
+            or (value < self.state.stop_reference - delta if self.options.mode == "min"
+                else value > self.state.stop_reference + delta)
+        )
+        if significant:
+            self.state.stop_reference, self.state.bad_evaluations = value, 0
+        else:
+            self.state.bad_evaluations += 1
+        if improved:
+            self.state.best_metric, self.state.best_step, self.state.best_metrics = value, self.state.step, dict(metrics)
+            # Best weights go to disk, not to RAM: no second copy of the model stays alive.
+            best = self._eval_state_dict()
+            if self.is_main:
+                save_checkpoint(best, self.best_path)
+            del best
+        self.schedule.observe(value)
+        patience = self.options.early_stopping_patience
+        if patience is not None and self.state.bad_evaluations >= patience:
+            self.state.stopped_early = True
+        self._log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics,
+                   "best": self.state.best_metric, "improved": improved})
+        if not self._bar.disable:
+            self._bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                            + (" (best)" if improved else ""))
+
+    def _finish_evaluation(self) -> None:
+        """The run's last evaluation, unless the last window was just evaluated."""
+        if self.val_loader is not None and self.state.last_eval_step != self.state.step:
+            self._evaluate_and_track()
+
+    def _eval_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights that are evaluated and written: the EMA's when on, else the model's. Full
+        tensors on every rank (FSDP2 gathers its shards: every rank must call this)."""
+        state = _full_tensors(self.model.state_dict())
+        if self.ema is not None:
+            state.update(_full_tensors(self.ema.shadow))
+        return state
+
+    def _load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Full (unsharded) weights into the model, whatever its strategy."""
+        if self.config.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(state)
+
+    def _write_result_weights(self) -> None:
+        """``model.pt``: the best weights with early stopping, else the final ones (EMA if on).
+        ``self.model`` is left holding them."""
+        if self.options.early_stopping_patience is not None and self.state.best_step is not None and self.best_path.exists():
+            state = load_checkpoint(self.best_path, map_location=self.device)
+            self.state.last_metrics = dict(self.state.best_metrics)
+        else:
+            state = self._eval_state_dict()
+        self._load_full_state(state)
+        if self.is_main:
+            save_checkpoint(state, self.model_path)
+
+
+def _batch_len(batch: Batch) -> int:
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+def _full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies; FSDP2's sharded DTensors gathered into full tensors (a collective)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        full = getattr(v, "full_tensor", None)
+        out[k] = (full() if full is not None else v).detach().clone()
+    return out
+

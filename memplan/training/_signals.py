@@ -1,0 +1,38 @@
+"""SIGINT/SIGTERM: stop at the next window boundary with a checkpoint; a second Ctrl-C stops at
+once. A part of :class:`~memplan.training.Trainer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+__all__: list[str] = []
+
+
+class _Signals:
+    """Sets ``_stop_signal`` (the signal's name) when one arrives; the loop reads it."""
+
+    _stop_signal: str | None = None
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM set a flag; the loop checkpoints at the next window boundary and
+        returns. A second SIGINT stops at once (KeyboardInterrupt), as people expect of Ctrl-C."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_signal = signal.Signals(signum).name
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
