@@ -10,15 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Estimator, Task, TrainConfig
 from estimators.runtime._guard import MemoryGuard
 from estimators.runtime._options import StepOptions
 from estimators.tracing._trace import trace_step
-from estimators.tracing._recorder import Category
+from estimators.tracing._recorder import Category, Recorder
 from memplan import TrainOptions, train
 
 
@@ -36,8 +34,9 @@ CONFIG = TrainConfig(micro_batch_size=16, grad_accum_steps=4)
 
 
 def _options(tmp_path: Path, step: StepOptions, **more: Any) -> TrainOptions:
-    return TrainOptions(max_steps=3, out_dir=tmp_path, progress=False, num_workers=0, schedule="constant",
-                        grad_clip=step.clip_threshold, grad_clip_mode=step.clip, ema_decay=step.ema_decay, **more)
+    kwargs: dict[str, Any] = dict(max_steps=3, out_dir=tmp_path, progress=False, num_workers=0, schedule="constant",
+                                  grad_clip=step.clip_threshold, grad_clip_mode=step.clip, ema_decay=step.ema_decay)
+    return TrainOptions(**{**kwargs, **more})
 
 
 def test_the_estimate_of_accumulation_clipping_and_ema_is_within_1_percent_of_the_trainer(tmp_path: Path) -> None:
@@ -57,38 +56,33 @@ def test_the_estimate_of_accumulation_clipping_and_ema_is_within_1_percent_of_th
     assert est.peak_allocated_bytes - plain.peak_allocated_bytes >= params
 
 
-class _Sequence(TorchDispatchMode):
-    """A stand-in memory guard that records the bytes of every new storage, per trainer phase."""
-
-    phase = "setup"  # set by the trainer (class attribute: the trainer looks for it on the type)
+class _Sequence(Recorder):
+    """The trace's own recorder as the trainer's memory guard: the trainer names its phases
+    through the guard's ``phase`` attribute (forward, backward, optimizer, data, ...)."""
 
     def __init__(self) -> None:
+        self.labels: list[str] = ["setup"]
         super().__init__()
-        self.events: list[tuple[str, int]] = []
-        self._seen: set[int] = set()
-        self._live: list[Any] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self._seen and storage.nbytes() > 0:
-                    self._seen.add(key)
-                    self.events.append((self.phase, int(storage.nbytes())))
-        return out
+    @property  # type: ignore[override]
+    def phase(self) -> int:
+        return len(self.labels) - 1
+
+    @phase.setter
+    def phase(self, value: int | str) -> None:
+        if isinstance(value, str):
+            self.labels.append(value)
 
     def step_allocations(self, step: int) -> list[int]:
         """Bytes of the storages created in optimizer step ``step`` (1-based), batches excluded."""
-        out, current, last = [], 0, ""
-        for phase, nbytes in self.events:
-            if phase == "forward" and last not in ("forward", "data"):
+        steps, current, last = [], 0, ""
+        for label in self.labels:
+            if label == "forward" and last not in ("forward", "data", "backward"):  # not the next micro-batch
                 current += 1
-            last = phase
-            if current == step and phase in ("forward", "backward", "optimizer"):
-                out.append(nbytes)
-        return out
+            steps.append(current)
+            last = label
+        return [int(self.alloc_bytes[a]) for a, sign, ph in zip(self.event_alloc, self.event_sign, self.event_phase)
+                if sign > 0 and steps[ph] == step and self.labels[ph] in ("forward", "backward", "optimizer")]
 
 
 def test_the_traced_step_makes_the_same_allocations_as_the_trainers_step(tmp_path: Path) -> None:
