@@ -153,7 +153,7 @@ def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int
     if cuda and dev.index is not None:
         torch.cuda.set_device(dev)
     task.batch_template()  # the dataset is built outside the timed steps
-    steppers = [PlannedSteps(task, config, build_for_training(task, config, dev), device=dev)
+    steppers = [PlannedSteps(task, config, build_for_training(task, config, dev, compile=task.step.compile), device=dev)
                 for config in configs]
     t0 = time.monotonic()
     index = 0

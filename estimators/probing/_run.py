@@ -90,7 +90,7 @@ def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmu
         if dev.index is not None:
             torch.cuda.set_device(dev)
         torch.cuda.empty_cache()
-    built = build_for_training(task, config, dev)
+    built = build_for_training(task, config, dev, compile=task.step.compile)
     model = built.model
     facts = _model_facts(model)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])

@@ -29,6 +29,9 @@ class StepOptions:
     """An EMA of the weights (one more copy of the floating-point state) when set."""
     label_smoothing: float = 0.0
     """Label smoothing of the default cross-entropy loss (its own ops and temporaries)."""
+    compile: bool = False
+    """The forward runs through ``torch.compile``. Fake tensors cannot run Inductor: a trace
+    records the eager step and says so in its notes; probes build and measure the compiled one."""
 
     def __post_init__(self) -> None:
         if self.clip not in ("norm", "value", "off"):
@@ -42,7 +45,7 @@ class StepOptions:
 
     def key(self) -> tuple[Any, ...]:
         """What distinguishes two steps' memory (for caches): the threshold's value does not."""
-        return (self.clip, self.ema_decay is not None, bool(self.label_smoothing))
+        return (self.clip, self.ema_decay is not None, bool(self.label_smoothing), self.compile)
 
     def describe(self) -> str:
         parts = [f"clip by {self.clip}" if self.clip != "off" else "no clipping"]
@@ -50,4 +53,6 @@ class StepOptions:
             parts.append("EMA of the weights")
         if self.label_smoothing:
             parts.append("label smoothing")
+        if self.compile:
+            parts.append("torch.compile")
         return ", ".join(parts)

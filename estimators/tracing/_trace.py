@@ -233,6 +233,8 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                     _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None)
     method = "measured-cpu" if real else "traced"
     notes = tuple(_precision.semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
+    if options is not None and options.compile:
+        notes += (_COMPILE_NOTE,)
     if not derive:
         return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
@@ -241,6 +243,10 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         trace.single_micro = _as_trace(repeat_first_step(single), config.replace(grad_accum_steps=1), b, method,
                                        notes)
     return trace
+
+
+_COMPILE_NOTE = ("torch.compile: the eager step is estimated (fake tensors cannot run Inductor, whose fused "
+                 "kernels usually hold less); a probe on the device measures the compiled step")
 
 
 def _as_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, notes: tuple[str, ...] = ()) -> Trace:

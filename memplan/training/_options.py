@@ -218,7 +218,8 @@ class TrainOptions:
         """What of these options the training step runs (clipping, EMA, label smoothing): the
         step the estimate is made of (``Task.with_step``)."""
         return StepOptions(clip=self.clip_mode, clip_threshold=float(self.grad_clip or 1.0),
-                           ema_decay=self.ema_decay, label_smoothing=float(self.label_smoothing or 0.0))
+                           ema_decay=self.ema_decay, label_smoothing=float(self.label_smoothing or 0.0),
+                           compile=bool(self.compile))
 
     def scaler_kwargs(self) -> dict[str, Any]:
         """The fp16 GradScaler's arguments."""
