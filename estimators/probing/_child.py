@@ -69,25 +69,7 @@ def _zygote_main(ctl_fd: int) -> None:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:  # the probe child
-                    code = 1
-                    try:
-                        sock.close()
-                        os.setsid()
-                        sock_fd, log_fd = fds
-                        os.dup2(log_fd, 1)
-                        os.dup2(log_fd, 2)
-                        os.close(log_fd)
-                        _child_main(sock_fd)
-                        code = 0
-                    except BaseException:  # noqa: BLE001 - report, then leave without cleanup
-                        import traceback
-                        traceback.print_exc()
-                    finally:
-                        try:
-                            sys.stdout.flush()
-                            sys.stderr.flush()
-                        finally:
-                            os._exit(code)
+                    _forked_child(sock, fds)
                 for fd in fds:
                     os.close(fd)
                 children.add(pid)
@@ -106,6 +88,30 @@ def _zygote_main(ctl_fd: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # skip interpreter teardown: nothing of the server's needs it
+
+
+def _forked_child(server_sock: socket.socket, fds: list[int]) -> None:
+    """In a child just forked from the server: own process group, output to the log, run the
+    request, then leave without cleanup (the server's state is not this process's to tear down)."""
+    code = 1
+    try:
+        server_sock.close()
+        os.setsid()
+        sock_fd, log_fd = fds
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        _child_main(sock_fd)
+        code = 0
+    except BaseException:  # noqa: BLE001 - report, then leave without cleanup
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _reap(pid: int, timeout: float) -> int | None:

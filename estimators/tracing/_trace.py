@@ -206,21 +206,33 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001
-        name = type(exc).__name__
-        if not real and (name in _DATA_DEPENDENT or "data-dependent" in str(exc).lower()
-                         or "dynamic output shape" in str(exc).lower()):
-            raise DataDependentShapes(f"{task.name}: shapes depend on data ({name})") from exc
-        if _unsupported_kernel(exc):
-            raise ModelFileError(
-                f"{task.name}: a kernel of this model is not supported on this device in "
-                f"{config.precision} ({_one_line(exc)}); use another precision, e.g. --precision fp32"
-            ) from exc
-        raise ModelFileError(
-            f"{task.name}: a training step with batch size {b} failed: {_one_line(exc)}; "
-            "check that the model accepts batches from train_data() and that loss() returns a scalar"
-        ) from exc
+        raise _step_failed(exc, task, config, b, real=real) from exc
     finally:
         del model, built
+    notes = tuple(_precision.semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
+    if options is not None and options.compile:
+        notes += (_COMPILE_NOTE,)
+    return _finished(rec, phase_labels, prof, config, b, "measured-cpu" if real else "traced", notes, derive=derive)
+
+
+def _step_failed(exc: Exception, task: Task, config: TrainConfig, b: int, *, real: bool) -> MemplanError:
+    """The one-line error a failed traced step becomes."""
+    name = type(exc).__name__
+    if not real and (name in _DATA_DEPENDENT or "data-dependent" in str(exc).lower()
+                     or "dynamic output shape" in str(exc).lower()):
+        return DataDependentShapes(f"{task.name}: shapes depend on data ({name})")
+    if _unsupported_kernel(exc):
+        return ModelFileError(
+            f"{task.name}: a kernel of this model is not supported on this device in "
+            f"{config.precision} ({_one_line(exc)}); use another precision, e.g. --precision fp32")
+    return ModelFileError(
+        f"{task.name}: a training step with batch size {b} failed: {_one_line(exc)}; "
+        "check that the model accepts batches from train_data() and that loss() returns a scalar")
+
+
+def _finished(rec: Recorder, phase_labels: list[str], prof: Any, config: TrainConfig, b: int, method: str,
+              notes: tuple[str, ...], *, derive: bool) -> Trace:
+    """The recorded events as a Trace (with the later steps derived from the first, when asked)."""
     # Whatever is still alive at the end (params, buffers, optimizer state) is released at
     # the end of the trace's lifetime; that is not part of the step, so no events are added.
     # Frees recorded after the last step are dropped too: the garbage collector decides
@@ -231,10 +243,6 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc[:kept], rec.event_sign[:kept],
                     rec.event_phase[:kept], phase_labels, rec.ops, rec.op_positions, rec.host,
                     _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None)
-    method = "measured-cpu" if real else "traced"
-    notes = tuple(_precision.semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
-    if options is not None and options.compile:
-        notes += (_COMPILE_NOTE,)
     if not derive:
         return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
