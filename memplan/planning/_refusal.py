@@ -1,7 +1,7 @@
 """Saying that nothing fits: the lower bound, the nearest miss, and what would make it fit.
 
 Two refusals, both a :class:`NoFeasiblePlanError` naming the need, the budget and the fixes:
-before any trace, when the model's own parameters and gradients exceed the budget (a
+before any trace, when the model's own parameters, gradients and optimizer state exceed the budget (a
 3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta); and
 after the study, when no configuration's estimate (or no probed one) fits, naming the
 smallest with its breakdown.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn as nn
 
 from estimators import Estimate, Estimator, NoFeasiblePlanError, Task, format_size
@@ -39,6 +40,27 @@ def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, 
     return states // shards, params, shards
 
 
+def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
+    """Bytes of the state the task's optimizer keeps for ``model`` (built on meta): one step of
+    it on meta gradients, which allocates nothing; 0 when the optimizer cannot step on meta
+    (the bound then leaves its state out, and stays a bound)."""
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad and p.device.type == "meta"]
+    if not params:
+        return 0
+    try:
+        for p in params:
+            p.grad = torch.empty_like(p)
+        optimizer = task.make_optimizer(model)
+        optimizer.step()
+        return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.device.type == "meta")
+    except Exception:  # noqa: BLE001 - a bound without the optimizer's state is still a bound
+        return 0
+    finally:
+        for p in params:
+            p.grad = None
+
+
 def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) -> str:
     """The budget (its margin kept) that ``need`` would fit in, as a fix to suggest."""
     gb = math.ceil(need * budget / limit / 1e9)
@@ -51,8 +73,10 @@ def refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, bu
     3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta,
     not after a search's traces."""
     floor, params, shards = _model_state_floor(model, space)
-    if floor <= limit:
+    optimizer = _optimizer_state_bytes(task, model) // shards
+    if floor + optimizer <= limit:
         return
+    floor += optimizer
     where = f" per device over {shards} FSDP2 ranks" if shards > 1 else ""
     hints = [_more_memory_hint(floor, budget, limit, estimator)]
     devices = max(2, 2 * shards)
@@ -60,8 +84,9 @@ def refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, bu
     hints.append("a smaller model, or frozen parts (no gradients)")
     raise NoFeasiblePlanError(
         f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {task.name}'s "
-        f"{params:,} parameters and their gradients alone need {format_size(floor)}{where}, before any activation "
-        f"or optimizer state — try {', '.join(hints)}",
+        f"{params:,} parameters, their gradients" + (" and the optimizer's state" if optimizer else "")
+        + f" alone need {format_size(floor)}{where}, before any activation"
+        + ("" if optimizer else " or optimizer state") + f" — try {', '.join(hints)}",
         nearest=None, needed_bytes=floor, budget_bytes=budget,
     )
 
