@@ -45,7 +45,8 @@ class Failures:
         """A failure stored by an earlier run of the same study (its trial's parameters)."""
         try:
             config = self.space.config(int(params["micro_batch_size"]), str(params["precision"]),
-                                       int(params["checkpoint_segments"]), str(params["layout"]))
+                                       int(params["checkpoint_segments"]), str(params["layout"]),
+                                       bool(params.get("length_grouped", False)), str(params.get("technique", "none")))
         except (KeyError, StopIteration, ValueError, MemplanError):
             return  # a trial of another space's shape: estimated again if asked
         self.reasons.setdefault(config, reason)

@@ -69,7 +69,9 @@ class Objective:
         segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
         grouped = (bool(trial.suggest_categorical("length_grouped", list(space.grouping)))
                    if len(space.grouping) > 1 else False)
-        config = space.config(int(micro), str(precision), int(segments), str(layout), grouped)
+        technique = (str(trial.suggest_categorical("technique", [t.name for t in space.technique_choices]))
+                     if space.techniques else "none")
+        config = space.config(int(micro), str(precision), int(segments), str(layout), grouped, technique)
         est = self.evaluate(config)
         if est is None:
             # A configuration that cannot be traced is a completed, infeasible trial (as an OOM

@@ -11,7 +11,7 @@ from estimators import (
     ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
 )
 
-__all__ = ["Layout", "SearchSpace", "build_space", "layouts_for", "layout_key", "space_for"]
+__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "build_space", "layouts_for", "layout_key", "space_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -34,6 +34,20 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Technique:
+    """A searched technique: a name (the study's value) and the ``TrainConfig`` fields it sets."""
+
+    name: str
+    fields: tuple[tuple[str, object], ...]
+
+    def apply(self, config: TrainConfig) -> TrainConfig:
+        return config.replace(**dict(self.fields))
+
+
+NO_TECHNIQUE = Technique("none", ())
+
+
+@dataclass(frozen=True)
 class SearchSpace:
     micro_batch_sizes: tuple[int, ...]
     precisions: tuple[Precision, ...]
@@ -44,6 +58,8 @@ class SearchSpace:
     """Strategies × world sizes searched; every micro-batch size is valid for each of them."""
     grouping: tuple[bool, ...] = (False,)
     """Length-grouped batching searched ``(False, True)`` when items vary in shape."""
+    techniques: tuple[Technique, ...] = ()
+    """Memory-saving techniques searched beside none (each a set of ``TrainConfig`` fields)."""
 
     @property
     def world_size(self) -> int:
@@ -57,22 +73,30 @@ class SearchSpace:
     def layout(self, key: str) -> Layout:
         return next(layout for layout in self.layouts if layout.key == key)
 
+    @property
+    def technique_choices(self) -> tuple[Technique, ...]:
+        return (NO_TECHNIQUE, *self.techniques)
+
+    def technique(self, name: str) -> Technique:
+        return next(t for t in self.technique_choices if t.name == name)
+
     def config(self, micro: int, precision: str, segments: int, layout: Layout | str | None = None,
-               grouped: bool = False) -> TrainConfig:
+               grouped: bool = False, technique: Technique | str = NO_TECHNIQUE) -> TrainConfig:
         if layout is None:
             layout = self.layouts[0]
         elif isinstance(layout, str):
             layout = self.layout(layout)
-        return TrainConfig(
+        config = TrainConfig(
             micro_batch_size=micro, grad_accum_steps=self.accum_for(micro, layout.world_size),
             precision=precision, checkpoint_segments=segments,
             strategy=layout.strategy, world_size=layout.world_size, nodes=layout.nodes,
             length_grouped=grouped,
         )
+        return (self.technique(technique) if isinstance(technique, str) else technique).apply(config)
 
     def __len__(self) -> int:
         return (len(self.micro_batch_sizes) * len(self.precisions) * len(self.checkpoint_segments)
-                * len(self.layouts) * len(self.grouping))
+                * len(self.layouts) * len(self.grouping) * len(self.technique_choices))
 
     def __iter__(self) -> Iterator[TrainConfig]:
         for layout in self.layouts:
@@ -80,7 +104,8 @@ class SearchSpace:
                 for p in self.precisions:
                     for s in self.checkpoint_segments:
                         for g in self.grouping:
-                            yield self.config(m, p, s, layout, g)
+                            for t in self.technique_choices:
+                                yield self.config(m, p, s, layout, g, t)
 
     def smallest(self) -> list[TrainConfig]:
         """Corners most likely to need the least memory (the nearest miss when nothing fits):
