@@ -323,10 +323,12 @@ class Estimator:
                 fits.add(self._fit_key(fitted))
                 local.append(("workspace", fitted, 0))
             if self.device == "cpu" and fitted is not config:
-                # The small run that checks the borrowed fit: on the most blocks recomputed.
-                checked = borrowers.get(fit_key(fitted))
+                # The small run that checks the borrowed fit: on the most blocks recomputed,
+                # once per policy (a selective block recomputes other ops than a full one).
+                borrower = (fit_key(fitted), config.checkpoint_policy)
+                checked = borrowers.get(borrower)
                 if checked is None or config.checkpoint_segments > checked.checkpoint_segments:
-                    borrowers[fit_key(fitted)] = config
+                    borrowers[borrower] = config
         local.extend(("borrow", config, 0) for config in borrowers.values())
         if len(fake) < 2:
             return
@@ -492,7 +494,7 @@ class Estimator:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
         # With items of varying shape, the items that set the planned batch's padded size.
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
-                config.strategy, config.world_size, self._planned_key(config))
+                config.checkpoint_policy, config.strategy, config.world_size, self._planned_key(config))
 
     def _planned_key(self, config: TrainConfig) -> tuple[Any, ...] | None:
         planned = self.task.planned(config.micro_batch_size)
@@ -633,7 +635,7 @@ class Estimator:
         reference = reference_config(config)
         if reference is None:
             return False
-        key = fit_key(reference)
+        key = (*fit_key(reference), config.checkpoint_policy)
         with self._lock:
             if key not in self._borrow_checks:
                 fit = self._workspace_fit(reference)
