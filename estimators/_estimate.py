@@ -493,8 +493,9 @@ class Estimator:
     def _shape_key(self, config: TrainConfig) -> tuple[Any, ...]:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
         # With items of varying shape, the items that set the planned batch's padded size.
+        # (The checkpoint policy goes last: ``_derivable`` reads the strategy by position.)
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
-                config.checkpoint_policy, config.strategy, config.world_size, self._planned_key(config))
+                config.strategy, config.world_size, self._planned_key(config), config.checkpoint_policy)
 
     def _planned_key(self, config: TrainConfig) -> tuple[Any, ...] | None:
         planned = self.task.planned(config.micro_batch_size)
