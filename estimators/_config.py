@@ -7,10 +7,14 @@ from typing import Any, Literal
 
 from ._errors import ConfigError
 
-__all__ = ["Precision", "Strategy", "TrainConfig", "normalize_precision", "PRECISIONS"]
+__all__ = ["CheckpointPolicy", "CHECKPOINT_POLICIES", "Precision", "Strategy", "TrainConfig",
+           "normalize_precision", "PRECISIONS"]
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 Strategy = Literal["single", "ddp", "fsdp"]
+CheckpointPolicy = Literal["full", "selective"]
+
+CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = ("full", "selective")
 
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16-mixed", "fp16-mixed")
 
@@ -51,6 +55,11 @@ class TrainConfig:
     """``fp32``, ``bf16-mixed`` (autocast, fp32 weights) or ``fp16-mixed`` (autocast + GradScaler)."""
     checkpoint_segments: int = 0
     """Blocks of the model's block stack recomputed in backward (0 = none)."""
+    checkpoint_policy: CheckpointPolicy = "full"
+    """What a checkpointed block keeps: ``full`` keeps only its inputs and recomputes the
+    rest; ``selective`` also keeps the outputs of its matrix products and attention kernels
+    and recomputes only the cheap ops between them (torchtitan's "op" policy; see
+    ``runtime._checkpoint``). Needs ``checkpoint_segments >= 1``."""
     strategy: Strategy = "single"
     """``single`` device, ``ddp`` or ``fsdp`` (FSDP2)."""
     world_size: int = 1
@@ -71,6 +80,15 @@ class TrainConfig:
         if not isinstance(self.checkpoint_segments, int) or self.checkpoint_segments < 0:
             raise ConfigError(
                 f"checkpoint_segments must be a whole number >= 0, got {self.checkpoint_segments!r}"
+            )
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ConfigError(
+                f"unknown checkpoint_policy {self.checkpoint_policy!r}; use full or selective"
+            )
+        if self.checkpoint_policy != "full" and self.checkpoint_segments == 0:
+            raise ConfigError(
+                f"checkpoint_policy {self.checkpoint_policy!r} applies to checkpointed blocks; "
+                "set checkpoint_segments >= 1 or use checkpoint_policy 'full'"
             )
         object.__setattr__(self, "precision", normalize_precision(self.precision))
         if self.strategy not in ("single", "ddp", "fsdp"):
@@ -94,8 +112,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        # As configurations were written before these fields existed.
         if not self.length_grouped:
-            del d["length_grouped"]  # as configurations were written before the field existed
+            del d["length_grouped"]
+        if self.checkpoint_policy == "full":
+            del d["checkpoint_policy"]
         return d
 
     @classmethod
@@ -112,7 +133,8 @@ class TrainConfig:
             parts.append(f"x{self.grad_accum_steps} accumulation")
         parts.append(self.precision)
         if self.checkpoint_segments:
-            parts.append(f"{self.checkpoint_segments} checkpoint segments")
+            parts.append(f"{self.checkpoint_segments} checkpoint segments"
+                         + (f" ({self.checkpoint_policy})" if self.checkpoint_policy != "full" else ""))
         if self.strategy != "single":
             parts.append(f"{self.strategy} x{self.world_size}"
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))

@@ -116,10 +116,12 @@ class BatchScaling:
                 fits.add(traces.workspace_fits.fit_key(fitted))
                 local.append(("workspace", fitted, 0))
             if traces.device == "cpu" and fitted is not config:
-                # The small run that checks the borrowed fit: on the most blocks recomputed.
-                checked = borrowers.get(fit_key(fitted))
+                # The small run that checks the borrowed fit: on the most blocks recomputed,
+                # once per policy (a selective block recomputes other ops than a full one).
+                borrower = (fit_key(fitted), config.checkpoint_policy)
+                checked = borrowers.get(borrower)
                 if checked is None or config.checkpoint_segments > checked.checkpoint_segments:
-                    borrowers[fit_key(fitted)] = config
+                    borrowers[borrower] = config
         local.extend(("borrow", config, 0) for config in borrowers.values())
         return fake, local
 

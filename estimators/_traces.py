@@ -62,9 +62,11 @@ class TraceSource(Prefetching):
     def shape_key(self, config: TrainConfig) -> tuple[Any, ...]:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
         # With items of varying shape, the items that set the planned batch's padded size.
+        # (The checkpoint policy goes last: ``_derivable`` reads the strategy by position.)
         planned = self.task.planned(config.micro_batch_size)
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
-                config.strategy, config.world_size, planned.key() if planned is not None else None)
+                config.strategy, config.world_size, planned.key() if planned is not None else None,
+                config.checkpoint_policy)
 
     def known(self, config: TrainConfig) -> Prepared | None:
         """The prepared trace of ``config`` at its own micro-batch size, if one was made."""

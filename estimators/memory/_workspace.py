@@ -97,15 +97,15 @@ def fit_key(config: TrainConfig) -> tuple[Any, ...]:
     accumulation runs the same kernels); DDP and FSDP2 run other ops in their first step and
     in skipped-sync micro-batches, so their layout and accumulation count too."""
     if config.strategy == "single":
-        return (config.precision, config.checkpoint_segments)
-    return (config.precision, config.checkpoint_segments, config.strategy, config.world_size,
-            min(config.grad_accum_steps, 2))
+        return (config.precision, config.checkpoint_segments, config.checkpoint_policy)
+    return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.strategy,
+            config.world_size, min(config.grad_accum_steps, 2))
 
 
 def reference_config(config: TrainConfig) -> TrainConfig | None:
     """The configuration whose fit ``config`` borrows (one device, checkpointed), else None."""
     if config.strategy == "single" and config.checkpoint_segments:
-        return config.replace(checkpoint_segments=0)
+        return config.replace(checkpoint_segments=0, checkpoint_policy="full")
     return None
 
 

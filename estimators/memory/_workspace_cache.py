@@ -80,7 +80,7 @@ class WorkspaceFits:
         reference = reference_config(config)
         if reference is None:
             return False
-        key = fit_key(reference)
+        key = (*fit_key(reference), config.checkpoint_policy)
         with self._lock:
             if key not in self._borrow_checks:
                 fit = self.fit(reference)

@@ -41,7 +41,8 @@ def build_for_training(task: Any, config: TrainConfig, device: torch.device | st
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
         model = model.to(device)
     model.train()
-    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks)
+    _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks,
+                                    policy=config.checkpoint_policy)
     if wrap is not None:
         wrapped = wrap(model)
     else:
@@ -50,13 +51,14 @@ def build_for_training(task: Any, config: TrainConfig, device: torch.device | st
     return BuiltModel(_parallel.unwrap(wrapped), wrapped, forward, compiled=compile)
 
 
-def checkpoint_more(built: BuiltModel, task: Any, segments: int) -> BuiltModel:
+def checkpoint_more(built: BuiltModel, task: Any, segments: int, policy: str = "full") -> BuiltModel:
     """Checkpoint ``segments`` blocks of a running model (an OOM ladder's rung needs more).
 
-    Idempotent per block: blocks checkpointed already stay so (a ladder only steps down). A
-    compiled forward is compiled again from the same wrapper as at setup.
+    Idempotent per block: blocks checkpointed already stay so, and selective ones become full
+    when ``policy`` is full (a ladder only steps down). A compiled forward is compiled again
+    from the same wrapper as at setup.
     """
-    _checkpoint.apply_checkpointing(built.model, segments, task.checkpoint_blocks)
+    _checkpoint.apply_checkpointing(built.model, segments, task.checkpoint_blocks, policy=policy)
     if built.compiled:
         built.forward_model = torch.compile(built.wrapped)  # type: ignore[assignment]
     return built

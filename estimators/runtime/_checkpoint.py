@@ -12,19 +12,31 @@ How ``checkpoint_segments = N`` maps onto a model:
 * A checkpointed block keeps only its inputs during forward and recomputes its activations in
   backward (``torch.utils.checkpoint``, non-reentrant). The block's ``forward`` is replaced on
   the instance, so parameter names and ``state_dict`` keys do not change.
+* ``checkpoint_policy = "selective"`` checkpoints the same blocks, but a block also keeps the
+  outputs of its matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and attention
+  kernels (``scaled_dot_product_*``), through ``create_selective_checkpoint_contexts``:
+  backward recomputes only the cheap ops between them (norms, activations, casts, views).
+  This is torchtitan's "op" policy, except that torchtitan keeps every *other* ``mm``; all of
+  them are kept here, so the policy is one decision per op, with no counter whose phase
+  depends on how a block's ops are ordered, and the memory sits clearly between no
+  checkpointing and full checkpointing (every kept output is one a plain backward keeps too).
+  The policy runs as a dispatch mode, so the fake-tensor trace sees (and prices) exactly the
+  tensors it keeps.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .._errors import ConfigError
 
-__all__ = ["find_block_stack", "apply_checkpointing", "max_checkpoint_segments", "select_blocks"]
+__all__ = ["find_block_stack", "apply_checkpointing", "max_checkpoint_segments", "select_blocks",
+           "SAVED_OPS", "selective_policy", "block_policy"]
 
 BlockFinder = Callable[[nn.Module], Sequence[nn.Module]]
 
@@ -70,15 +82,66 @@ def select_blocks(n_blocks: int, segments: int) -> list[int]:
     return sorted({(i * n_blocks) // segments for i in range(segments)})
 
 
-def _checkpointed_forward(original: Callable, *args: object, **kwargs: object) -> object:
-    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+def _ops(*names: str) -> frozenset[Any]:
+    # Overloads this torch build lacks (a CPU build has every one today) are left out.
+    found = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in ("default", "Tensor"):
+            if packet is not None and hasattr(packet, overload):
+                found.append(getattr(packet, overload))
+    return frozenset(found)
 
 
-def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | None = None) -> int:
+SAVED_OPS: frozenset[Any] = _ops(
+    "mm", "addmm", "bmm", "baddbmm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)
+"""The ops whose outputs a selectively checkpointed block keeps: the expensive ones."""
+
+
+def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The "op" policy: keep the outputs of :data:`SAVED_OPS`, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_POLICIES: dict[str, Callable[..., CheckpointPolicy] | None] = {"full": None, "selective": selective_policy}
+
+
+class _Checkpointed:
+    """A block's checkpointed ``forward``: the original bound method, run under ``checkpoint``."""
+
+    def __init__(self, original: Callable, policy: str) -> None:
+        self.original = original
+        self.policy = policy
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        policy_fn = _POLICIES[self.policy]
+        if policy_fn is None:
+            return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
+        # A fresh pair of contexts per call: each holds the kept outputs of one forward.
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+        return checkpoint(self.original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def block_policy(block: nn.Module) -> str | None:
+    """How ``block`` is checkpointed: ``"full"``, ``"selective"``, or None (not at all)."""
+    forward = block.__dict__.get("forward")
+    return forward.policy if isinstance(forward, _Checkpointed) else None
+
+
+def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | None = None,
+                        policy: str = "full") -> int:
     """Checkpoint ``segments`` blocks of the model's block stack in place; returns how many.
 
+    ``policy`` is ``"full"`` or ``"selective"`` (see the module docstring). Applying it again
+    is idempotent, and only ever recomputes more: a selective block asked to be full becomes
+    full, a full one stays full (the OOM ladder only steps down in memory).
     Raises ``ConfigError`` when more segments are asked than the stack has blocks.
     """
+    if policy not in _POLICIES:
+        raise ConfigError(f"unknown checkpoint policy {policy!r}; use full or selective")
     if segments == 0:
         return 0
     blocks = find_block_stack(model, finder)
@@ -91,7 +154,10 @@ def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | N
     chosen = select_blocks(len(blocks), segments)
     for index in chosen:
         block = blocks[index]
-        if "forward" in block.__dict__:  # already checkpointed (idempotent)
+        current = block.__dict__.get("forward")
+        if isinstance(current, _Checkpointed):
+            if current.policy == "selective" and policy == "full":
+                current.policy = "full"
             continue
-        block.forward = functools.partial(_checkpointed_forward, block.forward)  # type: ignore[method-assign]
+        block.forward = _Checkpointed(block.forward, policy)  # type: ignore[method-assign]
     return len(chosen)

@@ -162,10 +162,12 @@ class _InProcessRecovery:
         old = self.config
         if new.global_batch != old.global_batch:
             raise ConfigError(f"cannot switch from global batch {old.global_batch} to {new.global_batch}")
-        if new.checkpoint_segments > old.checkpoint_segments:
+        if new.checkpoint_segments > old.checkpoint_segments or (
+                new.checkpoint_policy == "full" and old.checkpoint_policy != "full"):
             # Idempotent per block: blocks checkpointed already stay so (only ever stepping down);
             # a compiled forward is compiled again from the same wrapper as at setup.
-            self.forward_model = checkpoint_more(self._built, self.task, new.checkpoint_segments).forward_model
+            self.forward_model = checkpoint_more(self._built, self.task, new.checkpoint_segments,
+                                                 policy=new.checkpoint_policy).forward_model
         if new.precision != old.precision:
             # fp16 needs a GradScaler (a fresh one calibrates its scale in a few steps); bf16 and
             # fp32 need none. Keep an existing one when both use it.
