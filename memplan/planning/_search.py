@@ -28,7 +28,7 @@ from ._probes import probe_best
 from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
 from ._refusal import no_fit, refuse_from_lower_bound
-from ._space import layouts_for, space_for
+from ._space import frugal_space, layouts_for, space_for
 from ._study import enqueue_corners, open_study
 
 __all__ = ["search"]
@@ -118,22 +118,26 @@ def search(
         estimator.rates()
         prestart()
 
-    objective = Objective(space, estimator, limit)
-    mirrored, exhaustive = open_study(task, estimator, budget=budget, margin=margin, space=space, trials=trials,
-                                      seed=seed, storage=storage)
-    objective.resume(mirrored.resumed())
-    enqueue_corners(mirrored.study, space, objective.done())
-    interrupted = optimize(mirrored, objective, trials=trials, exhaustive=exhaustive, progress=progress)
-
+    study = dict(budget=budget, margin=margin, trials=trials, seed=seed, storage=storage, progress=progress)
+    objective, mirrored, interrupted = _run_study(task, estimator, space, limit, **study)
     estimates, failed = objective.results()
     if not estimates and failed:
         raise objective.failures.first_error()
     feasible = [e for e in estimates if needed_bytes(e) <= limit]
+    notes: list[str] = []
+    wider = None if feasible else frugal_space(space, estimator, precisions_pinned=precisions is not None)
+    if wider is not None:
+        # Nothing fits with the standard axes: search again with the techniques that trade
+        # speed or precision for memory (the estimates made so far are kept).
+        objective, mirrored, interrupted = _run_study(task, estimator, wider, limit, cache=objective.cache, **study)
+        estimates, failed = objective.results()
+        feasible = [e for e in estimates if needed_bytes(e) <= limit]
+        added = [p for p in wider.precisions if p not in space.precisions] + [t.name for t in wider.techniques]
+        notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
     if not feasible:
         raise no_fit(estimates, budget, limit, estimator)
     entries = rank_predicted(feasible)
     tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
-    notes: list[str] = []
     if interrupted:
         notes.append("search interrupted; plan built from the trials completed so far")
     if any(e.config.strategy != "single" for e in entries):
@@ -150,3 +154,18 @@ def search(
         from .._plots import record_plan_plot
         record_plan_plot(plan, estimates, plot, mirrored.persistent)
     return plan
+
+
+def _run_study(task: Task, estimator: Any, space: Any, limit: int, *, budget: int, margin: float, trials: int,
+               seed: int | None, storage: str | None, progress: bool,
+               cache: dict[Any, Any] | None = None) -> tuple[Objective, Any, bool]:
+    """The study of ``space``: resumed, its least-memory corners asked first, run to ``trials``."""
+    objective = Objective(space, estimator, limit)
+    if cache:
+        objective.cache.update(cache)
+    mirrored, exhaustive = open_study(task, estimator, budget=budget, margin=margin, space=space, trials=trials,
+                                      seed=seed, storage=storage)
+    objective.resume(mirrored.resumed())
+    enqueue_corners(mirrored.study, space, objective.done())
+    interrupted = optimize(mirrored, objective, trials=trials, exhaustive=exhaustive, progress=progress)
+    return objective, mirrored, interrupted

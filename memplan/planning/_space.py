@@ -11,7 +11,7 @@ from estimators import (
     ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
 )
 
-__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "build_space", "layouts_for", "layout_key", "space_for"]
+__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -41,7 +41,12 @@ class Technique:
     fields: tuple[tuple[str, object], ...]
 
     def apply(self, config: TrainConfig) -> TrainConfig:
-        return config.replace(**dict(self.fields))
+        """``config`` with the technique, or as it is where the technique does not apply to it
+        (selective checkpointing without checkpointed blocks, say)."""
+        try:
+            return config.replace(**dict(self.fields))
+        except ConfigError:
+            return config
 
 
 NO_TECHNIQUE = Technique("none", ())
@@ -99,6 +104,13 @@ class SearchSpace:
                 * len(self.layouts) * len(self.grouping) * len(self.technique_choices))
 
     def __iter__(self) -> Iterator[TrainConfig]:
+        seen: set[TrainConfig] = set()
+        for config in self._all():
+            if config not in seen:  # a technique that does not apply leaves the config as it is
+                seen.add(config)
+                yield config
+
+    def _all(self) -> Iterator[TrainConfig]:
         for layout in self.layouts:
             for m in self.micro_batch_sizes:
                 for p in self.precisions:
@@ -260,3 +272,24 @@ def space_for(task: Task, estimator: Estimator, blocks_model: nn.Module, *, glob
         # Length-grouped batching pads less; it needs every item's size to order the data.
         grouping=(False, True) if task.train_data is not None and task.shapes().groupable else (False,),
     )
+
+
+FRUGAL_TECHNIQUES = (Technique("selective-checkpointing", (("checkpoint_policy", "selective"),)),)
+"""Searched when nothing fits with the standard axes: exact, but slower than what they replace."""
+
+
+def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned: bool) -> SearchSpace | None:
+    """``space`` widened with the techniques that trade speed or precision for memory, for
+    when nothing fits without them: pure bf16 (``bf16-true``: weights, gradients and optimizer
+    state in bf16) where the device has bf16 and the precisions were not pinned, and selective
+    checkpointing. None when there is nothing to add."""
+    from dataclasses import replace
+
+    precisions = space.precisions
+    has_bf16 = estimator.device == "cpu" or (estimator.spec is not None and estimator.spec.bf16)
+    if not precisions_pinned and has_bf16 and "bf16-true" not in precisions:
+        precisions = (*precisions, "bf16-true")
+    techniques = tuple(t for t in FRUGAL_TECHNIQUES if t not in space.techniques) if max(space.checkpoint_segments) else ()
+    if precisions == space.precisions and not techniques:
+        return None
+    return replace(space, precisions=precisions, techniques=(*space.techniques, *techniques))

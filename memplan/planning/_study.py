@@ -110,6 +110,7 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
         # Only a non-default policy names itself, so that existing studies keep their names.
         *((task.shape_policy,) if task.shape_policy != "max" else ()),
         *((space.grouping,) if space.grouping != (False,) else ()),
+        *((tuple(t.name for t in space.techniques),) if space.techniques else ()),
     ))
     return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
