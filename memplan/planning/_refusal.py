@@ -26,7 +26,7 @@ def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, 
     """(bytes, parameters, shards): the least any configuration of ``space`` can hold per
     device before a single activation or optimizer state — every parameter and the gradient
     of every trainable one, in the dtypes the model is built in (mixed precision keeps fp32
-    weights; a ``TrainConfig`` has no lower-precision weights), split over the ranks when FSDP2
+    weights; ``bf16-true`` halves them where the space holds it), split over the ranks when FSDP2
     is searched (shared parameters counted once)."""
     seen: set[int] = set()
     states = params = 0
@@ -35,9 +35,17 @@ def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, 
             continue
         seen.add(id(p))
         params += p.numel()
-        states += p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+        states += p.numel() * _element_size(p, space) * (2 if p.requires_grad else 1)
     shards = max((layout.world_size for layout in space.layouts if layout.strategy == "fsdp"), default=1)
     return states // shards, params, shards
+
+
+def _element_size(p: nn.Parameter, space: SearchSpace) -> int:
+    """Bytes per element of ``p`` in the most frugal precision ``space`` holds: bf16-true keeps
+    floating-point weights (and their gradients and optimizer state) in two bytes."""
+    if "bf16-true" in space.precisions and p.is_floating_point():
+        return min(p.element_size(), 2)
+    return p.element_size()
 
 
 def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
@@ -74,6 +82,8 @@ def refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, bu
     not after a search's traces."""
     floor, params, shards = _model_state_floor(model, space)
     optimizer = _optimizer_state_bytes(task, model) // shards
+    if "bf16-true" in space.precisions:
+        optimizer //= 2  # the state follows the weights' dtype (fp32 built, bf16 trained)
     if floor + optimizer <= limit:
         return
     floor += optimizer

@@ -109,7 +109,9 @@ def search(
     space = space_for(task, estimator, blocks_model, global_batch=global_batch, precisions=precisions,
                       max_micro_batch=max_micro_batch, layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
                       micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments)
-    refuse_from_lower_bound(task, blocks_model, space, budget, limit, estimator)
+    # The bound of the most frugal space the search may widen to: nothing it could try fits.
+    frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None)
+    refuse_from_lower_bound(task, blocks_model, frugal or space, budget, limit, estimator)
     if probe_top > 0 and probe_fn is None and can_probe(estimator, gpu) and all(
             layout.strategy == "single" for layout in space.layouts):
         # The probe server imports torch while the estimates run, not when the first probe
@@ -125,7 +127,7 @@ def search(
         raise objective.failures.first_error()
     feasible = [e for e in estimates if needed_bytes(e) <= limit]
     notes: list[str] = []
-    wider = None if feasible else frugal_space(space, estimator, precisions_pinned=precisions is not None)
+    wider = None if feasible else frugal
     if wider is not None:
         # Nothing fits with the standard axes: search again with the techniques that trade
         # speed or precision for memory (the estimates made so far are kept).
