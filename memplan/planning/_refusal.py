@@ -88,6 +88,8 @@ def refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, bu
         return
     floor += optimizer
     where = f" per device over {shards} FSDP2 ranks" if shards > 1 else ""
+    if "bf16-true" in space.precisions:
+        where += " even in bf16-true"
     hints = [_more_memory_hint(floor, budget, limit, estimator)]
     devices = max(2, 2 * shards)
     hints.append(f"FSDP over {devices} devices (--gpus {devices})")
