@@ -37,6 +37,7 @@ from .timing._timing import (
     DeviceRates, OpCosts, StepTimeParts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts,
 )
 from .tracing._trace import Category, DataDependentShapes, Trace, trace_step
+from .runtime._optim_bwd import check_compatible as check_optimizer_in_backward
 from .tracing._trace_worker import TraceWorker, WorkerDied, worker_available
 from .memory._workspace import (WORKSPACE_ANCHORS, Source, WorkspaceFit, aligned_sources, borrow_holds, borrowed_sources,
                          fit_key, measure_fit, reference_config, workspaces_at)
@@ -476,6 +477,7 @@ class Estimator:
                 worker.close()
 
     def check_config(self, config: TrainConfig) -> None:
+        check_optimizer_in_backward(config, self.task.step)
         if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
             raise ConfigError(
                 f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "
@@ -492,7 +494,7 @@ class Estimator:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
         # With items of varying shape, the items that set the planned batch's padded size.
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
-                config.strategy, config.world_size, self._planned_key(config))
+                config.strategy, config.world_size, self._planned_key(config), config.optimizer_in_backward)
 
     def _planned_key(self, config: TrainConfig) -> tuple[Any, ...] | None:
         planned = self.task.planned(config.micro_batch_size)
