@@ -71,6 +71,10 @@ class TrainConfig:
     """Batches of items of similar size (items of varying shape only): the data order groups
     them, as Hugging Face's ``group_by_length`` does, so that batches pad less. Changes
     throughput, not the worst batch (the longest items still meet in one)."""
+    optimizer_in_backward: bool = False
+    """Step each parameter in backward, by its own optimizer, as soon as its gradient is ready,
+    and free the gradient at once (torchtune's ``optimizer_in_bwd``): no moment holds every
+    gradient. One device, no accumulation, no fp16 GradScaler, no clipping by the global norm."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes"):
@@ -97,6 +101,7 @@ class TrainConfig:
             raise ConfigError("strategy 'single' runs on one device; set world_size=1 or use ddp/fsdp")
         if not isinstance(self.length_grouped, bool):
             raise ConfigError(f"length_grouped must be True or False, got {self.length_grouped!r}")
+        _check_optimizer_in_backward(self)
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
@@ -114,9 +119,11 @@ class TrainConfig:
         d = asdict(self)
         # As configurations were written before these fields existed.
         if not self.length_grouped:
-            del d["length_grouped"]
+            del d["length_grouped"]  # as configurations were written before the field existed
         if self.checkpoint_policy == "full":
-            del d["checkpoint_policy"]
+            del d["checkpoint_policy"]  # likewise
+        if not self.optimizer_in_backward:
+            del d["optimizer_in_backward"]  # likewise
         return d
 
     @classmethod
@@ -140,4 +147,30 @@ class TrainConfig:
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
         if self.length_grouped:
             parts.append("length-grouped")
+        if self.optimizer_in_backward:
+            parts.append("optimizer in backward")
         return ", ".join(parts)
+
+
+def _check_optimizer_in_backward(config: TrainConfig) -> None:
+    # What the step in backward excludes whatever the step's options (clipping by the global
+    # norm is checked where the options meet the configuration: runtime._optim_bwd).
+    if not isinstance(config.optimizer_in_backward, bool):
+        raise ConfigError(f"optimizer_in_backward must be True or False, got {config.optimizer_in_backward!r}")
+    if not config.optimizer_in_backward:
+        return
+    if config.grad_accum_steps > 1:
+        raise ConfigError(
+            f"optimizer_in_backward steps every parameter in each backward, so it cannot accumulate "
+            f"{config.grad_accum_steps} micro-batches; set grad_accum_steps=1 or optimizer_in_backward=False"
+        )
+    if config.precision == "fp16-mixed":
+        raise ConfigError(
+            "optimizer_in_backward cannot run fp16-mixed (the GradScaler checks every gradient before any "
+            "step); use bf16-mixed or fp32, or optimizer_in_backward=False"
+        )
+    if config.strategy != "single":
+        raise ConfigError(
+            f"optimizer_in_backward runs on one device (strategy {config.strategy!r} reduces gradients after "
+            "the hook that steps them); use strategy='single' or optimizer_in_backward=False"
+        )

@@ -33,6 +33,7 @@ from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._scaling import BatchScaling
 from ._task import Task
 from ._traces import DATA_DEPENDENT_CAPACITY, TraceSource
+from .runtime._optim_bwd import check_compatible as check_optimizer_in_backward
 from .memory._prepare import Prepared
 from .memory._replay import MemoryPeak, replay
 from .timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
@@ -217,6 +218,7 @@ class Estimator:
         self._traces.close()
 
     def check_config(self, config: TrainConfig) -> None:
+        check_optimizer_in_backward(config, self.task.step)
         if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
             raise ConfigError(
                 f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "

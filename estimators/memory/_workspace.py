@@ -97,7 +97,7 @@ def fit_key(config: TrainConfig) -> tuple[Any, ...]:
     accumulation runs the same kernels); DDP and FSDP2 run other ops in their first step and
     in skipped-sync micro-batches, so their layout and accumulation count too."""
     if config.strategy == "single":
-        return (config.precision, config.checkpoint_segments, config.checkpoint_policy)
+        return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.optimizer_in_backward)
     return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.strategy,
             config.world_size, min(config.grad_accum_steps, 2))
 
@@ -111,12 +111,16 @@ def reference_config(config: TrainConfig) -> TrainConfig | None:
 
 def phase_kind(label: str, config: TrainConfig) -> str:
     """Forward and backward passes run the same kernels in every micro-batch; the first
-    optimizer step (which creates the state) differs from the later ones. Under ddp and fsdp
+    optimizer step (which creates the state) differs from the later ones, and so does the
+    first backward when the optimizer steps in it. Under ddp and fsdp
     every phase is its own (see ``measure_fit``)."""
     if config.strategy != "single":
         return label
     kind = label.rsplit(" ", 1)[-1]
-    return kind if kind in ("forward", "backward") else f"{label.split(' ')[1]} {kind}"
+    # With the optimizer step in backward, the first backward creates the state too.
+    if kind == "forward" or (kind == "backward" and not config.optimizer_in_backward):
+        return kind
+    return f"{label.split(' ')[1]} {kind}"
 
 
 def ops_by_phase(trace: Trace) -> dict[str, list[int]]:
@@ -134,7 +138,9 @@ def measure_fit(task: Task, config: TrainConfig) -> WorkspaceFit | None:
     if config.strategy == "single":
         # One optimizer step of one micro-batch: every forward and backward kernel runs;
         # optimizer steps allocate no scratch worth measuring (elementwise kernels).
-        one, steps = config.replace(grad_accum_steps=1), 1
+        # With the optimizer step in backward, the first backward differs from the later
+        # ones (it creates the state): two steps.
+        one, steps = config.replace(grad_accum_steps=1), 2 if config.optimizer_in_backward else 1
     else:
         # DDP and FSDP2 run other ops in their first step (lazy initialisation, bucket
         # rebuild) and in skipped-sync micro-batches: the runs have the trace's phases.

@@ -5,6 +5,9 @@ One optimizer step over a window of micro-batches::
     for each micro-batch:  forward (autocast) -> loss * weight -> backward (scaled under fp16)
     clip (unscaling first under fp16) -> optimizer step (the scaler's, under fp16) -> EMA -> zero_grad
 
+With ``TrainConfig.optimizer_in_backward`` the parameters are stepped inside backward, one at a
+time (:mod:`._optim_bwd`), and the step after backward runs only the EMA.
+
 Callers differ only in their :class:`StepHooks`: the trace marks what each allocation holds and
 names the phases, the probe opens a profiler range per phase, the trainer decides to skip a
 window whose loss or gradient norm is not finite and keeps an undo copy for OOM recovery. The
@@ -25,9 +28,10 @@ from .._task import default_logits_and_targets
 from . import _parallel, _precision
 from ._clip import clip_gradients
 from ._ema import EMA
+from ._optim_bwd import OptimizerInBackward, check_compatible
 from ._options import StepOptions
 
-__all__ = ["StepOptions", "StepHooks", "StepParts", "StepResult", "make_step_parts", "train_step", "to_device"]
+__all__ = ["make_optimizer", "StepOptions", "StepHooks", "StepParts", "StepResult", "make_step_parts", "train_step", "to_device"]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -56,6 +60,10 @@ class StepHooks:
         return True
 
     def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None: ...
+
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        """With the optimizer step in backward: ``param.grad`` is final and about to be stepped
+        and freed (in backward, before the next parameter's)."""
 
     def held(self, tensors: Sequence[torch.Tensor], kind: str) -> None:
         """Tensors made at setup that live through every step (``kind``: ``ema``)."""
@@ -100,9 +108,7 @@ def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: n
     ``foreach`` makes optimizers left to their default run the multi-tensor implementation, as
     PyTorch's optimizers do on CUDA (a trace for a CUDA target runs on CPU tensors).
     """
-    optimizer = task.make_optimizer(model)
-    if foreach:
-        _use_foreach(optimizer)
+    optimizer = make_optimizer(task, config, model, options, foreach=foreach)
     scaler = _precision.make_grad_scaler(config.precision, device.type, sharded=config.strategy == "fsdp",
                                          **(scaler_kwargs or {}))
     ema = None
@@ -112,6 +118,20 @@ def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: n
                      wrapped=wrapped, optimizer=optimizer, scaler=scaler, ema=ema,
                      loss_fn=training_loss(task, options.label_smoothing), precision=config.precision,
                      device=device, options=options)
+
+
+def make_optimizer(task: Any, config: TrainConfig, model: nn.Module, options: StepOptions, *,
+                   foreach: bool = False) -> torch.optim.Optimizer:
+    """The task's optimizer for ``model``; stepped in backward, one parameter at a time, when
+    ``config.optimizer_in_backward`` (its wrapper stands for it as one optimizer)."""
+    optimizer = task.make_optimizer(model)
+    if foreach:
+        _use_foreach(optimizer)
+    if config.optimizer_in_backward:
+        check_compatible(config, options)
+        optimizer = OptimizerInBackward(optimizer, model, clip_value=options.clip_threshold
+                                        if options.clip == "value" else None)
+    return optimizer
 
 
 def training_loss(task: Any, label_smoothing: float) -> LossFn:
@@ -145,6 +165,10 @@ def train_step(parts: StepParts, batches: Iterator[Batch], weights: Sequence[flo
     ``tracing=True`` runs on fake tensors (no value is read back).
     """
     hooks = hooks or StepHooks()
+    if isinstance(parts.optimizer, OptimizerInBackward):
+        with parts.optimizer.observed(hooks):
+            loss_sum = _forward_backward(parts, batches, weights, step, hooks)
+        return _stepped_in_backward(parts, hooks, step, loss_sum)
     loss_sum = _forward_backward(parts, batches, weights, step, hooks)
     hooks.phase(f"step {step} optimizer", "optimizer")
     if not hooks.losses_done(loss_sum):
@@ -198,6 +222,23 @@ def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Seque
         del batch, loss  # free the batch and the graph now, as the estimate assumes
         hooks.after_backward(parts.model)
     return loss_sum
+
+
+def _stepped_in_backward(parts: StepParts, hooks: StepHooks, step: int,
+                         loss_sum: torch.Tensor | None) -> StepResult:
+    """The rest of a step whose parameters were stepped in backward (clipping by value too):
+    no optimizer step, no gradients left to clear. A hook cannot skip it: the weights have
+    changed already, so ``losses_done`` is told the loss, and its answer changes nothing."""
+    hooks.phase(f"step {step} optimizer", "optimizer")
+    if loss_sum is not None:
+        hooks.losses_done(loss_sum)
+    parts.optimizer.step()  # a no-op; a schedule checks that the optimizer stepped before it
+    hooks.after_optimizer(parts.optimizer, None)
+    if parts.ema is not None:
+        parts.ema.update(parts.model)
+    hooks.phase(f"step {step} zero_grad", "zero_grad")
+    parts.optimizer.zero_grad(set_to_none=True)  # nothing left: each gradient was freed at its step
+    return StepResult(loss_sum, applied=True, stepped=True, grad_norm=None)
 
 
 def _skipped(parts: StepParts, hooks: StepHooks, step: int, loss_sum: torch.Tensor | None,

@@ -313,6 +313,11 @@ class RecordingHooks(StepHooks):
             if p.grad is not None:
                 _mark_tensor(self.rec, p.grad, Category.GRADIENTS)
 
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        # Stepped in backward: the gradient dies before after_backward could see it.
+        if param.grad is not None:
+            _mark_tensor(self.rec, param.grad, Category.GRADIENTS)
+
     def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         for state in optimizer.state.values():
             for value in state.values():

@@ -155,7 +155,10 @@ class Plan:
         # data order, so that a resumed run meets the same batches.
         candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current
                       and e.config.strategy == current.strategy and e.config.world_size == current.world_size
-                      and e.config.length_grouped == current.length_grouped]
+                      and e.config.length_grouped == current.length_grouped
+                      # The optimizer and the weights' dtype are not switched in a running process.
+                      and e.config.optimizer_in_backward == current.optimizer_in_backward
+                      and (e.config.precision == "bf16-true") == (current.precision == "bf16-true")]
         while True:
             lower = [e for e in candidates if e.peak_bytes < limit and e not in rungs]
             if not lower:

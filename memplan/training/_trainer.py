@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from estimators import (
-    EMA, ConfigError, ModelFileError, Task, TrainConfig, TrainingError, build_for_training, default_loss, training_loss,
+    EMA, ConfigError, ModelFileError, Task, TrainConfig, TrainingError, build_for_training, default_loss, make_optimizer,
+    training_loss,
 )
 
 from .._schedules import ExternalSchedule, LRSchedule, make_schedule
@@ -198,7 +199,8 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         self.model, self._wrapped, self.forward_model = self._built.model, self._built.wrapped, self._built.forward_model
 
         # After sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold.
-        self.optimizer = task.make_optimizer(self.model)
+        # (Stepped in backward, one parameter at a time, with TrainConfig.optimizer_in_backward.)
+        self.optimizer = make_optimizer(task, config, self.model, opts.step_options())
         lr = opts.lr if opts.lr is not None else task.settings.get("lr")
         if lr is not None:
             for group in self.optimizer.param_groups:
