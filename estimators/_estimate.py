@@ -33,6 +33,7 @@ from .memory._distributed import FsdpUnits
 from ._errors import ConfigError
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._task import Task
+from .runtime._precision import cast_model, weight_dtype
 from .timing._timing import (
     DeviceRates, OpCosts, StepTimeParts, TimeCalibration, cpu_rates, gpu_rates, op_costs, step_time, step_time_parts,
 )
@@ -476,7 +477,7 @@ class Estimator:
                 worker.close()
 
     def check_config(self, config: TrainConfig) -> None:
-        if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
+        if config.precision in ("bf16-mixed", "bf16-true") and self.spec is not None and not self.spec.bf16:
             raise ConfigError(
                 f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "
                 "--precision fp16 or fp32"
@@ -951,10 +952,13 @@ class Estimator:
         forward_s = self._pass_time(p, "forward")
         backward_s = self._pass_time(p, "backward")
         if config.strategy == "ddp":
-            return ddp_comm(facts.ddp_buckets, backward_s, config, link)
-        # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32.
+            low = weight_dtype(config.precision) is not None
+            return ddp_comm(facts.ddp_buckets_low if low else facts.ddp_buckets, backward_s, config, link)
+        # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32; under
+        # a true low precision it gathers and reduces the low-precision weights as they are.
         param_bytes = 2 if config.precision != "fp32" else 4
-        return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, 4,
+        grad_bytes = 2 if weight_dtype(config.precision) is not None else 4
+        return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, grad_bytes,
                          forward_s, backward_s, config, link)
 
     def _pass_time(self, p: _Prepared, kind: str) -> float:
@@ -988,6 +992,8 @@ class Estimator:
                 trainable=sum(p.numel() for p in distinct if p.requires_grad),
                 units=fsdp_units(model, self.task.checkpoint_blocks),
                 ddp_buckets=tuple(ddp_bucket_bytes(model)),
+                # DDP's buckets hold the gradients, in the weights' dtype: half under bf16-true.
+                ddp_buckets_low=tuple(ddp_bucket_bytes(cast_model(model, "bf16-true"))),
             )
         return self._facts
 
@@ -998,6 +1004,8 @@ class _ModelFacts:
     trainable: int
     units: FsdpUnits
     ddp_buckets: tuple[int, ...]
+    ddp_buckets_low: tuple[int, ...]
+    """DDP's buckets under bf16-true/fp16-true (2-byte gradients; batch norm's stay fp32)."""
 
 
 def _throughput(config: TrainConfig, seconds: float, shapes: Mapping[str, Any] | None) -> float | None:

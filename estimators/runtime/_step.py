@@ -179,6 +179,10 @@ def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Seque
         batch = to_device(batch, parts.device)
         hooks.making_batch(False)
         hooks.batch(batch)
+        low = _precision.convert_input(batch, parts.precision)  # bf16-true: a bf16 copy of float inputs
+        if low is not batch:
+            batch = low
+            hooks.batch(batch)
         if loss_sum is None:
             # The window's loss, summed in place from the first forward on: a later micro-batch
             # allocates nothing that outlives it, which lets the trace derive a step of one
