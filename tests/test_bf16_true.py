@@ -165,3 +165,16 @@ def test_cuda_target_and_distributed_traces():
     fsdp = TrainConfig(micro_batch_size=8, precision="bf16-true", strategy="fsdp", world_size=2)
     assert digits.estimate(fsdp, exact=True).peak_bytes < digits.estimate(
         fsdp.replace(precision="bf16-mixed"), exact=True).peak_bytes
+
+
+@pytest.mark.timeout(60)
+def test_fp16_true_when_asked_estimates_within_1pct_and_runs_on_a_card_without_bf16():
+    task = teacher_task()
+    config = TrainConfig(micro_batch_size=32, precision="fp16-true")
+    est = Estimator(task, device="cpu").estimate(config, exact=True)
+    real = measure_cpu_peak(task, config)
+    assert abs(est.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (est.peak_bytes, real.peak_bytes)
+    v100 = Estimator(task, gpu="V100-16GB")
+    # Allocated, not reserved: a model this small fits one 20 MB segment either way.
+    assert v100.estimate(config).peak_allocated_bytes < v100.estimate(
+        config.replace(precision="fp16-mixed")).peak_allocated_bytes
