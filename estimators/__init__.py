@@ -31,7 +31,7 @@ from .runtime._ema import EMA
 from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
 from .runtime._options import StepOptions
-from .runtime._precision import backward, forward_context, make_grad_scaler, optimizer_step
+from .runtime._precision import backward, convert_input, forward_context, make_grad_scaler, optimizer_step
 from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, train_step, training_loss
 from .tracing._recorder import Category
 
@@ -50,6 +50,6 @@ __all__ = [
     # the training step and its techniques
     "train_step", "make_optimizer", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
     "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "EMA",
-    "backward", "forward_context", "make_grad_scaler", "optimizer_step",
+    "backward", "convert_input", "forward_context", "make_grad_scaler", "optimizer_step",
     "MemoryGuard", "is_oom_error",
 ]

@@ -10,20 +10,22 @@ from ._errors import ConfigError
 __all__ = ["CheckpointPolicy", "CHECKPOINT_POLICIES", "Precision", "Strategy", "TrainConfig",
            "normalize_precision", "PRECISIONS"]
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"]
 Strategy = Literal["single", "ddp", "fsdp"]
 CheckpointPolicy = Literal["full", "selective"]
 
 CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = ("full", "selective")
 
-PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true")
 
-# Lightning-style names and the short forms users type; all map to the three canonical names.
+# Lightning-style names and the short forms users type; all map to the canonical names. The
+# bare "bf16"/"16" stay mixed precision: pure low precision must be asked for by name.
 _PRECISION_ALIASES: dict[str, Precision] = {
     "fp32": "fp32", "32": "fp32", "32-true": "fp32", "float32": "fp32",
     "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "bfloat16": "bf16-mixed",
     "fp16-mixed": "fp16-mixed", "fp16": "fp16-mixed", "16": "fp16-mixed", "16-mixed": "fp16-mixed",
     "float16": "fp16-mixed",
+    "bf16-true": "bf16-true", "fp16-true": "fp16-true", "16-true": "fp16-true",
 }
 
 def normalize_precision(value: str) -> Precision:
@@ -36,7 +38,7 @@ def normalize_precision(value: str) -> Precision:
     if key not in _PRECISION_ALIASES:
         raise ConfigError(
             f"unknown precision {value!r}; use one of fp32 (32), bf16-mixed (bf16), "
-            "fp16-mixed (fp16, 16)"
+            "fp16-mixed (fp16, 16), bf16-true, fp16-true (16-true)"
         )
     return _PRECISION_ALIASES[key]
 
@@ -52,7 +54,9 @@ class TrainConfig:
     grad_accum_steps: int = 1
     """Micro-batches whose gradients are summed before one optimizer step."""
     precision: Precision = "fp32"
-    """``fp32``, ``bf16-mixed`` (autocast, fp32 weights) or ``fp16-mixed`` (autocast + GradScaler)."""
+    """``fp32``, ``bf16-mixed`` (autocast, fp32 weights), ``fp16-mixed`` (autocast + GradScaler),
+    or ``bf16-true``/``fp16-true``: weights, gradients and optimizer state in the low precision,
+    no autocast, no scaler (batch-norm layers stay fp32; see ``runtime._precision``)."""
     checkpoint_segments: int = 0
     """Blocks of the model's block stack recomputed in backward (0 = none)."""
     checkpoint_policy: CheckpointPolicy = "full"

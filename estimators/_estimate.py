@@ -219,7 +219,7 @@ class Estimator:
 
     def check_config(self, config: TrainConfig) -> None:
         check_optimizer_in_backward(config, self.task.step)
-        if config.precision == "bf16-mixed" and self.spec is not None and not self.spec.bf16:
+        if config.precision in ("bf16-mixed", "bf16-true") and self.spec is not None and not self.spec.bf16:
             raise ConfigError(
                 f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "
                 "--precision fp16 or fp32"

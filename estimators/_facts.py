@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ._task import Task
 from .memory._distributed import FsdpUnits, ddp_bucket_bytes, fsdp_units
 from .runtime._checkpoint import find_block_stack
+from .runtime._precision import cast_model
 from .tracing._fake import fake_mode, build_fake_model
 
 __all__ = ["ModelFacts", "model_facts"]
@@ -18,6 +19,8 @@ class ModelFacts:
     trainable: int
     units: FsdpUnits
     ddp_buckets: tuple[int, ...]
+    ddp_buckets_low: tuple[int, ...]
+    """DDP's buckets under bf16-true/fp16-true (2-byte gradients; batch norm's stay fp32)."""
 
 
 def model_facts(task: Task) -> ModelFacts:
@@ -30,4 +33,6 @@ def model_facts(task: Task) -> ModelFacts:
         trainable=sum(p.numel() for p in distinct if p.requires_grad),
         units=fsdp_units(model, task.checkpoint_blocks),
         ddp_buckets=tuple(ddp_bucket_bytes(model)),
+        # DDP's buckets hold the gradients, in the weights' dtype: half under bf16-true.
+        ddp_buckets_low=tuple(ddp_bucket_bytes(cast_model(model, "bf16-true"))),
     )

@@ -69,6 +69,9 @@ CONFIGS = [
     TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2),
     TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
                 checkpoint_segments=2),
+    # bf16-true: bf16 weights, DDP buckets and FSDP2 shards, no mixed-precision policy.
+    TrainConfig(micro_batch_size=6, strategy="ddp", world_size=2, precision="bf16-true", grad_accum_steps=3),
+    TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2, precision="bf16-true", grad_accum_steps=3),
 ]
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .._config import TrainConfig
-from . import _checkpoint, _parallel
+from . import _checkpoint, _parallel, _precision
 
 __all__ = ["BuiltModel", "build_for_training", "checkpoint_more"]
 
@@ -31,15 +31,18 @@ def build_for_training(task: Any, config: TrainConfig, device: torch.device | st
                        compile: bool = False, device_ids: list[int] | None = None) -> BuiltModel:
     """The task's model on ``device``, in train mode, checkpointed and wrapped as ``config`` says.
 
-    The order is the trainer's: build (a copy of a prebuilt module), move, checkpoint the
-    blocks, then DDP/FSDP2 (after checkpointing, as traced), then compile the wrapper (so
-    that state dicts, taken from the plain module, keep their names). ``model`` passes a
+    The order is the trainer's: build (a copy of a prebuilt module), cast to a true low
+    precision (``bf16-true``: before the move, so that the device never holds the fp32
+    copy), move, checkpoint the blocks, then DDP/FSDP2 (after checkpointing, as traced), then
+    compile the wrapper (so that state dicts, taken from the plain module, keep their names). ``model`` passes a
     module built elsewhere (the trace's fake copy); ``wrap`` replaces the strategy's wrapping
     (the trace's simulated ranks).
     """
     if model is None:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-        model = model.to(device)
+        model = _precision.cast_model(model, config.precision).to(device)
+    else:
+        _precision.cast_model(model, config.precision)
     model.train()
     _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks,
                                     policy=config.checkpoint_policy)

@@ -15,7 +15,10 @@ How a configuration's ``strategy`` maps onto ``torch.distributed``:
   parameters (each its own unit, its inputs not cast): their running statistics stay fp32,
   and CPU batch-norm kernels refuse low-precision weights with fp32 statistics on some input
   layouts (a batch of one is both contiguous and channels-last); FSDP1's
-  ``MixedPrecision`` leaves ``_BatchNorm`` out for the same reason. Accumulation keeps
+  ``MixedPrecision`` leaves ``_BatchNorm`` out for the same reason. Under ``bf16-true``/
+  ``fp16-true`` the weights are already in the low precision: no policy (gathers and
+  reductions in that dtype, as torchtune shards a bf16 model); the fp32 batch-norm layers are
+  their own units still, since FSDP2 wants one parameter dtype per unit. Accumulation keeps
   gradient reduction on for every micro-batch: gradients stay sharded (see
   :func:`gradient_sync`).
 
@@ -33,7 +36,7 @@ import torch.nn as nn
 
 from ._checkpoint import BlockFinder, find_block_stack
 from .._config import Precision, TrainConfig
-from ._precision import autocast_dtype
+from ._precision import autocast_dtype, keeps_fp32, weight_dtype
 
 __all__ = ["DDP_BUCKET_CAP_MB", "fsdp_mp_policy", "apply_fsdp", "apply_ddp", "parallelize", "gradient_sync",
            "unwrap"]
@@ -78,13 +81,13 @@ def apply_fsdp(
     if policy is not None:
         kwargs["mp_policy"] = policy
     blocks = find_block_stack(model, finder)
-    if policy is not None:
+    if policy is not None or weight_dtype(precision) is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         block_ids = {id(b) for b in blocks}
         for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and id(module) not in block_ids \
+            if keeps_fp32(module) and id(module) not in block_ids \
                     and any(True for _ in module.parameters(recurse=False)):
                 fully_shard(module, **{**kwargs, "mp_policy": full})
     for block in blocks:

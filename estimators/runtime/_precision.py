@@ -1,8 +1,25 @@
-"""Mixed precision, applied the same way when tracing, probing and training.
+"""Precision, applied the same way when tracing, probing and training.
 
 fp32 runs as is; ``bf16-mixed`` runs the forward pass (and loss) under autocast with fp32
 weights and no scaler; ``fp16-mixed`` does the same in float16 and scales the loss with a
 ``GradScaler`` so that small gradients survive the fp16 range.
+
+``bf16-true`` and ``fp16-true`` (Lightning's names; torchtune fine-tunes in ``bf16-true``) hold
+the weights, and so the gradients and optimizer state, in the low precision: 8 bytes a
+parameter under Adam instead of 16, and no fp32 master copy. :func:`cast_model` casts the
+built model's floating-point parameters and buffers, :func:`convert_input` the batch's
+floating-point tensors, and :func:`forward_context` makes the low precision the default dtype
+for tensors the forward creates (as Lightning's ``HalfPrecision`` does); no autocast runs.
+Batch-norm layers keep fp32 weights and running statistics, as apex's O2
+(``keep_batchnorm_fp32``) does: bf16's 8-bit mantissa cannot hold a momentum-0.1 running
+average (a change below ~4% of the running value rounds away), the layers are a few
+thousand elements, and CPU and cuDNN batch norm take bf16/fp16 inputs with fp32 weights.
+
+Neither needs a GradScaler: bf16 has fp32's exponent range; for ``fp16-true`` torch's
+``GradScaler`` refuses fp16 gradients ("Attempting to unscale FP16 gradients", since the
+unscaled values would overflow in fp16 anyway) and Lightning's ``16-true`` runs without one.
+``fp16-true`` is therefore fragile (gradients below 6e-8 vanish, Adam's default ``eps=1e-8``
+rounds to 0 in fp16) and is never searched unless asked for.
 """
 
 from __future__ import annotations
@@ -11,22 +28,88 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from .._config import Precision, normalize_precision
 
-__all__ = ["autocast_dtype", "forward_context", "make_grad_scaler", "backward", "optimizer_step",
+__all__ = ["autocast_dtype", "weight_dtype", "keeps_fp32", "cast_model", "convert_input", "forward_context", "make_grad_scaler", "backward", "optimizer_step",
            "trace_semantics", "semantics_notes"]
 
 
 def autocast_dtype(precision: Precision | str) -> torch.dtype | None:
     """The autocast dtype of a precision, or ``None`` for fp32."""
     p = normalize_precision(precision)
-    return {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[p]
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(p)
+
+
+def weight_dtype(precision: Precision | str) -> torch.dtype | None:
+    """The dtype the weights are cast to (``bf16-true``/``fp16-true``), or ``None``: as built.
+
+    >>> weight_dtype("bf16-true"), weight_dtype("bf16-mixed")
+    (torch.bfloat16, None)
+    """
+    p = normalize_precision(precision)
+    return {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}.get(p)
+
+
+def keeps_fp32(module: nn.Module) -> bool:
+    """Modules whose parameters and buffers a true low precision leaves in fp32 (batch norm)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def cast_model(model: nn.Module, precision: Precision | str) -> nn.Module:
+    """Cast ``model``'s floating-point parameters and buffers in place to the precision's
+    weight dtype (a no-op for fp32 and mixed precision); batch-norm layers stay fp32.
+
+    In place (``Parameter.data`` is replaced, as ``Module.to`` does), so tied weights stay
+    tied and the parameters stay the objects an optimizer or a hook may already hold. Runs on
+    fake tensors too (the trace's model).
+
+    >>> m = cast_model(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), "bf16-true")
+    >>> m[0].weight.dtype, m[1].weight.dtype, m[1].running_mean.dtype
+    (torch.bfloat16, torch.float32, torch.float32)
+    """
+    dtype = weight_dtype(precision)
+    if dtype is None:
+        return model
+    cast_buffers: dict[int, torch.Tensor] = {}  # a buffer held by two modules stays one tensor
+    for module in model.modules():
+        if keeps_fp32(module):
+            continue
+        for p in module._parameters.values():
+            # ``.data``, not ``Module._apply``: on fake tensors ``_apply`` swaps tensors, which
+            # their fake mode's weak references forbid.
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = cast_buffers.setdefault(id(b), b.to(dtype))
+    return model
+
+
+def convert_input(batch: Any, precision: Precision | str) -> Any:
+    """The batch with its floating-point tensors in the weight dtype under a true low
+    precision (integer tensors, token ids and labels, are left alone); else ``batch`` itself."""
+    dtype = weight_dtype(precision)
+    if dtype is None:
+        return batch
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
 
 
 @contextlib.contextmanager
 def forward_context(precision: Precision | str, device_type: str) -> Iterator[None]:
-    """Autocast around the forward pass and the loss (not around backward)."""
+    """Around the forward pass and the loss (not around backward): autocast under mixed
+    precision; under a true low precision, that dtype as the default for new tensors."""
+    low = weight_dtype(precision)
+    if low is not None:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(low)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+        return
     dtype = autocast_dtype(precision)
     if dtype is None:
         yield
@@ -67,7 +150,9 @@ def make_grad_scaler(precision: Precision | str, device_type: str, *, sharded: b
                      init_scale: float | None = None, growth_factor: float | None = None,
                      backoff_factor: float | None = None,
                      growth_interval: int | None = None) -> torch.amp.GradScaler | None:
-    """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none.
+    """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none, and
+    ``fp16-true`` runs without one (torch's scaler refuses fp16 gradients; see the module's
+    docstring).
 
     ``sharded`` (FSDP2): every rank sees only its gradient shards, so the sharded scaler
     all-reduces whether any rank found inf/NaN, and all of them skip (or take) the same step.

@@ -203,6 +203,10 @@ def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Seque
         batch = to_device(batch, parts.device)
         hooks.making_batch(False)
         hooks.batch(batch)
+        if _precision.weight_dtype(parts.precision) is not None:
+            # bf16-true: the float inputs in bf16 (no second name: the fp32 batch dies here).
+            batch = _precision.convert_input(batch, parts.precision)
+            hooks.batch(batch)
         if loss_sum is None:
             # The window's loss, summed in place from the first forward on: a later micro-batch
             # allocates nothing that outlives it, which lets the trace derive a step of one

@@ -17,6 +17,7 @@ from .._config import TrainConfig
 from .._gpus import GPUSpec
 from .._facts import ModelFacts
 from ..memory._prepare import Prepared
+from ..runtime._precision import weight_dtype
 from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._calibration import TimeCalibration
 from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
@@ -80,11 +81,13 @@ def _comm_time(config: TrainConfig, p: Prepared, facts: ModelFacts, spec: GPUSpe
     link = ring_bandwidth(spec, config.nodes)
     forward_s = _pass_time(p, "forward", rates)
     backward_s = _pass_time(p, "backward", rates)
+    low = weight_dtype(config.precision) is not None
     if config.strategy == "ddp":
-        return ddp_comm(facts.ddp_buckets, backward_s, config, link)
-    # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32.
+        return ddp_comm(facts.ddp_buckets_low if low else facts.ddp_buckets, backward_s, config, link)
+    # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32; under
+    # a true low precision it gathers and reduces the low-precision weights as they are.
     param_bytes = 2 if config.precision != "fp32" else 4
-    return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, 4,
+    return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, 2 if low else 4,
                      forward_s, backward_s, config, link)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
 from estimators import ConfigError, default_logits_and_targets, default_loss
-from estimators import forward_context
+from estimators import convert_input, forward_context
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
 
@@ -50,7 +50,7 @@ class _Evaluation:
                 if self.config.strategy == "fsdp":
                     batches = self._padded_val_batches()
                 for batch, counts in batches:
-                    batch = self._to_device(batch)
+                    batch = convert_input(self._to_device(batch), self.config.precision)  # bf16-true: bf16 inputs
                     with forward_context(self.config.precision, self.device.type):
                         if default:
                             logits, targets = default_logits_and_targets(eval_model, batch)

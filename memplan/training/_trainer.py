@@ -295,7 +295,9 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         # fp16's narrow range overflows where bf16 and fp32 do not; a run already in bf16 or
         # fp32 has a NaN of its own making (the model, the data or the learning rate).
         fix = {"fp16-mixed": "lower the learning rate or use bf16-mixed/fp32 instead of fp16",
-               "bf16-mixed": "lower the learning rate, or try fp32"}.get(
+               "bf16-mixed": "lower the learning rate, or try fp32",
+               "bf16-true": "lower the learning rate, or try bf16-mixed (fp32 weights)",
+               "fp16-true": "use bf16-true or bf16-mixed: fp16 weights without a GradScaler overflow"}.get(
             self.config.precision, "lower the learning rate, and check the model's outputs and the data for NaN/inf")
         return TrainingError(
             f"loss was NaN/inf for {self.state.consecutive_nonfinite} consecutive steps at step {self.state.step}; {fix}; {where}"
