@@ -25,7 +25,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--batch-size", "-b", required=True, help="micro-batch size")
     p.add_argument("--accum", default="1", help="gradient-accumulation steps (default 1)")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16)")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16) | bf16-true | fp16-true")
     p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -49,7 +49,7 @@ def add_shape_policy(p: argparse.ArgumentParser) -> None:
 def add_search_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--config", default=None, help="a TOML file of options (memplan init writes one); flags override it")
-    p.add_argument("--precision", default=None, help="precisions to search, e.g. bf16-mixed,fp32 (default: what the device runs well)")
+    p.add_argument("--precision", default=None, help="precisions to search, e.g. bf16-mixed,fp32 or bf16-true (default: what the device runs well; bf16-true too when nothing else fits)")
     p.add_argument("--checkpoint", default=None, help="checkpoint segments to search, e.g. 0 or 0,2 (default: 0, powers of two, every block)")
     p.add_argument("--micro-batch", default=None, help="micro-batch sizes to search, e.g. 8,16 (default: all that fit the global batch)")
     p.add_argument("--strategy", default=None, help="strategies to search with --gpus > 1: ddp, fsdp or ddp,fsdp")

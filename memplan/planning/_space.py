@@ -239,6 +239,11 @@ def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Pre
     else:
         # fp16 autocast runs ~50x slower than bf16 on CPUs: never the fastest, so not searched.
         supported = ["fp32", "bf16-mixed"]
+    # Pure low precision (weights, gradients and state in 16 bits) changes the numerics: not
+    # searched by default, but when nothing fits otherwise (frugal_space) or when asked for.
+    true_precisions: list[Precision] = ["bf16-true"] if "bf16-mixed" in supported else []
+    if estimator.device == "cuda":
+        true_precisions.append("fp16-true")
     if wanted is None:
         if "bf16-mixed" in supported and "fp16-mixed" in supported:
             # Where the card has bf16, fp16 runs at the same tensor-core rate with the same
@@ -247,6 +252,7 @@ def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Pre
             return tuple(p for p in supported if p != "fp16-mixed")
         return tuple(supported)
     chosen = tuple(normalize_precision(p) for p in wanted)
+    supported += true_precisions
     refused = [p for p in chosen if p not in supported]
     if refused:
         raise ConfigError(f"precision {', '.join(refused)} is not available on {estimator.spec.name if estimator.spec else estimator.device}; choose from {', '.join(supported)}")
