@@ -1,0 +1,36 @@
+"""When nothing fits with the standard configurations, the search widens to the techniques that
+trade precision or speed for memory (bf16-true, selective checkpointing) and says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from estimators import NoFeasiblePlanError, Task
+from memplan import search
+
+
+def _wide_task() -> Task:
+    # 8M parameters: fp32 weights, gradients and AdamW's two moments need 128 MB (bf16-mixed as
+    # much: it keeps fp32 weights); bf16-true half of it. Activations are small.
+    return Task(name="wide", build_model=lambda: nn.Sequential(nn.Linear(2000, 2000), nn.ReLU(), nn.Linear(2000, 2000)),
+                sample_fn=lambda b: (torch.randn(b, 2000), torch.randint(0, 2000, (b,))))
+
+
+def test_a_model_that_fits_only_in_bf16_true_gets_a_plan_that_says_why() -> None:
+    plan = search(_wide_task(), vram="110MB", device="cpu", global_batch=4, probe_top=0, trials=20)
+    assert plan.best.config.precision == "bf16-true"
+    assert any("searched again with bf16-true" in note for note in plan.notes), plan.notes
+    assert plan.best.predicted.peak_bytes <= 110e6
+
+
+def test_the_standard_space_is_searched_first() -> None:
+    plan = search(_wide_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0, trials=20)
+    assert plan.best.config.precision != "bf16-true"
+    assert not any("searched again" in note for note in plan.notes)
+
+
+def test_pinned_precisions_are_not_widened() -> None:
+    with pytest.raises(NoFeasiblePlanError):
+        search(_wide_task(), vram="110MB", device="cpu", global_batch=4, probe_top=0, trials=20, precisions=["fp32"])
