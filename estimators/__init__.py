@@ -32,7 +32,7 @@ from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
 from .runtime._options import StepOptions
 from .runtime._precision import backward, convert_input, forward_context, make_grad_scaler, optimizer_step
-from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, train_step, training_loss
+from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, to_device, train_step, training_loss
 from .tracing._recorder import Category
 
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
     "prestart", "probe", "race",
     "write_snapshot", "Timeline", "predicted_timeline", "Category",
     # the training step and its techniques
-    "train_step", "make_optimizer", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
+    "train_step", "make_optimizer", "to_device", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
     "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "EMA",
     "backward", "convert_input", "forward_context", "make_grad_scaler", "optimizer_step",
     "MemoryGuard", "is_oom_error",

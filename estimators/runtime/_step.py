@@ -101,8 +101,7 @@ class StepResult:
 
 def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: nn.Module, *,
                     device: torch.device, options: StepOptions, forward_model: nn.Module | None = None,
-                    scaler_kwargs: dict[str, Any] | None = None, foreach: bool = False,
-                    make_ema: Callable[[nn.Module, float], EMA] | None = None) -> StepParts:
+                    scaler_kwargs: dict[str, Any] | None = None, foreach: bool = False) -> StepParts:
     """The optimizer, scaler, EMA and loss a step of ``config`` runs with, for a built model.
 
     ``foreach`` makes optimizers left to their default run the multi-tensor implementation, as
@@ -113,7 +112,7 @@ def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: n
                                          **(scaler_kwargs or {}))
     ema = None
     if options.ema_decay is not None:
-        ema = (make_ema or EMA)(model, options.ema_decay)
+        ema = EMA(model, options.ema_decay)
     return StepParts(model=model, forward_model=forward_model if forward_model is not None else wrapped,
                      wrapped=wrapped, optimizer=optimizer, scaler=scaler, ema=ema,
                      loss_fn=training_loss(task, options.label_smoothing), precision=config.precision,

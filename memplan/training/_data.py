@@ -21,10 +21,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from estimators import ConfigError, ModelFileError, grouped_order
+from estimators import ConfigError, ModelFileError, grouped_order, to_device
 
 __all__ = ["epoch_permutation", "epoch_items"]
 
@@ -263,7 +262,4 @@ class _Loaders:
             yield self.task.collate([dataset[i] for i in indices])  # type: ignore[index]
 
     def _to_device(self, batch: Batch) -> Batch:
-        if self.device.type == "cpu":
-            return batch
-        non_blocking = self.device.type == "cuda"  # the loader pins memory on CUDA
-        return tree_map(lambda t: t.to(self.device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, batch)
+        return to_device(batch, self.device)  # as the step moves its batches (non-blocking on CUDA)

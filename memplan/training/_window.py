@@ -53,8 +53,6 @@ class _WindowOutcome:
 class _WindowHooks(StepHooks):
     """What the trainer decides inside the shared step."""
 
-    _PHASES = {"forward": "forward", "backward": "backward", "optimizer": "optimizer"}
-
     def __init__(self, trainer: Any) -> None:
         self.t = trainer
         self.largest: tuple[int, list[list[int]]] | None = None
@@ -63,8 +61,8 @@ class _WindowHooks(StepHooks):
         self.nonfinite = False
 
     def phase(self, label: str, kind: str) -> None:
-        if kind in self._PHASES:  # zero_grad stays in the optimizer phase, as the recovery log names it
-            self.t._set_phase(self._PHASES[kind])
+        if kind in ("forward", "backward", "optimizer"):  # zero_grad stays in the optimizer phase
+            self.t._set_phase(kind)
 
     def making_batch(self, on: bool) -> None:
         # Loading and collating the next micro-batch: named apart from the forward it precedes.
