@@ -63,7 +63,7 @@ def _machine() -> str:
 
 # -- one cell, in a child process ----------------------------------------------------------
 
-def run_cell(model: str, seq: int, target: str, trials: int, vram: str | None) -> dict:
+def run_cell(model: str, seq: int, target: str, trials: int, vram: str | None, host_memory: str | None = None) -> dict:
     import memplan
     from estimators import NoFeasiblePlanError
     from models_large import LLAMA3, llama3_task
@@ -72,13 +72,13 @@ def run_cell(model: str, seq: int, target: str, trials: int, vram: str | None) -
     task = llama3_task(model, seq)
     cell: dict = {"model": model, "seq": seq, "target": target, "gpu": gpu, "gpus": gpus, "vram": vram,
                   "global_batch": GLOBAL_BATCH[model], "trials": trials, "reference_params": LLAMA3[model][-1],
-                  "load_at_start": os.getloadavg()[0]}
+                  "load_at_start": os.getloadavg()[0], "host_memory": host_memory}
     with tempfile.TemporaryDirectory() as cache:
         os.environ["MEMPLAN_CACHE_DIR"] = cache
         t0 = time.perf_counter()
         try:
             plan = memplan.search(task, gpu=gpu, gpus=gpus, vram=vram, trials=trials,
-                                  global_batch=GLOBAL_BATCH[model], progress=False)
+                                  global_batch=GLOBAL_BATCH[model], progress=False, host_memory=host_memory)
         except NoFeasiblePlanError as exc:
             cell.update(status="none", message=str(exc))
         else:
@@ -194,12 +194,14 @@ def main() -> None:
     ap.add_argument("--no-long", action="store_true", help="skip the 4096-token row")
     ap.add_argument("--no-refusal", action="store_true", help="skip the 3B-on-2GB refusal")
     ap.add_argument("--note", default="", help="a line about this run for the results file")
+    ap.add_argument("--host-memory", default="128GB",
+                    help="host RAM each target machine is assumed to have for CPU offload (default 128GB)")
     ap.add_argument("--cell", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.cell:  # child: one cell, its result as JSON on the last line of stdout
-        model, seq, target, trials, vram = json.loads(args.cell)
-        print(json.dumps(run_cell(model, seq, target, trials, vram)))
+        model, seq, target, trials, vram, host = json.loads(args.cell)
+        print(json.dumps(run_cell(model, seq, target, trials, vram, host)))
         return
 
     per_model = {k: int(v) for k, v in (item.split("=", 1) for item in args.trials_for)}
@@ -219,7 +221,7 @@ def main() -> None:
     cells.sort(key=lambda c: c[1] != SEQS[0])
     for model, seq, target, vram in cells:
         trials = per_model.get(model, args.trials)
-        spec = json.dumps([model, seq, target, trials, vram])
+        spec = json.dumps([model, seq, target, trials, vram, args.host_memory])
         print(f"[{time.strftime('%H:%M:%S')}] {model} seq {seq} on {target}{' at ' + vram if vram else ''}, "
               f"{trials} trials ...", flush=True)
         proc = subprocess.run([sys.executable, __file__, "--label", args.label, "--out", args.out, "--cell", spec],

@@ -21,6 +21,7 @@ from ._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
 from ._shapes import grouped_order
 from ._task import Task, default_logits_and_targets, default_loss, load_task
 from ._units import format_size, parse_count, parse_size
+from .memory._distributed import fsdp_units
 from .memory._snapshot import write_snapshot
 from .memory._timeline import Timeline, predicted_timeline
 from .probing._probe import prestart, probe
@@ -31,7 +32,9 @@ from .runtime._ema import EMA
 from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
 from .runtime._options import StepOptions
-from .runtime._precision import backward, convert_input, forward_context, make_grad_scaler, optimizer_step
+from .runtime._precision import (
+    backward, convert_input, forward_context, make_grad_scaler, optimizer_step, weight_dtype,
+)
 from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, to_device, train_step, training_loss
 from .tracing._recorder import Category
 
@@ -50,6 +53,7 @@ __all__ = [
     # the training step and its techniques
     "train_step", "make_optimizer", "to_device", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
     "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "EMA",
-    "backward", "convert_input", "forward_context", "make_grad_scaler", "optimizer_step",
+    "backward", "convert_input", "forward_context", "make_grad_scaler", "optimizer_step", "weight_dtype",
+    "fsdp_units",
     "MemoryGuard", "is_oom_error",
 ]

@@ -79,6 +79,11 @@ class TrainConfig:
     """Step each parameter in backward, by its own optimizer, as soon as its gradient is ready,
     and free the gradient at once (torchtune's ``optimizer_in_bwd``): no moment holds every
     gradient. One device, no accumulation, no fp16 GradScaler, no clipping by the global norm."""
+    cpu_offload: bool = False
+    """FSDP2's CPU offload (``CPUOffloadPolicy``): the sharded parameters, their gradients and
+    the optimizer's state live in (pinned) host memory; each unit's parameters are copied to
+    the device for its forward and backward, gradients copied back, and the optimizer steps
+    on the CPU. Needs ``strategy='fsdp'`` (``world_size=1`` offloads a single device)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes"):
@@ -106,6 +111,12 @@ class TrainConfig:
         if not isinstance(self.length_grouped, bool):
             raise ConfigError(f"length_grouped must be True or False, got {self.length_grouped!r}")
         _check_optimizer_in_backward(self)
+        if not isinstance(self.cpu_offload, bool):
+            raise ConfigError(f"cpu_offload must be True or False, got {self.cpu_offload!r}")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ConfigError(
+                f"cpu_offload is FSDP2's offload policy, but the strategy is {self.strategy!r}; use "
+                "strategy='fsdp' (world_size=1 offloads a single device) or cpu_offload=False")
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
@@ -128,6 +139,8 @@ class TrainConfig:
             del d["checkpoint_policy"]  # likewise
         if not self.optimizer_in_backward:
             del d["optimizer_in_backward"]  # likewise
+        if not self.cpu_offload:
+            del d["cpu_offload"]  # likewise
         return d
 
     @classmethod
@@ -153,6 +166,8 @@ class TrainConfig:
             parts.append("length-grouped")
         if self.optimizer_in_backward:
             parts.append("optimizer in backward")
+        if self.cpu_offload:
+            parts.append("CPU offload")
         return ", ".join(parts)
 
 

@@ -89,6 +89,9 @@ class Estimate:
     ``fixed`` (exposed communication, which calibration leaves alone); seconds. Kept so that a
     stored prediction (a resumed study's) can be recalibrated, and can calibrate, without its
     trace. None for measurements."""
+    host_bytes: int = 0
+    """Host memory the step holds beside the device's (CPU offload's parameters, gradients
+    and optimizer state; the RNG states checkpointing saves); 0 on cpu, where all is one memory."""
 
     @property
     def peak_bytes(self) -> int:
@@ -272,6 +275,7 @@ class Estimator:
             notes=tuple(notes),
             time_parts=cost.time_parts,
             batch_shapes=batch_shapes,
+            host_bytes=memory.host,
         )
 
     def _batch_shapes(self, config: TrainConfig, p: Prepared) -> dict[str, Any] | None:

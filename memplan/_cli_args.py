@@ -28,6 +28,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16) | bf16-true | fp16-true")
     p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
+    p.add_argument("--host-memory", default=None, help="host RAM a GPU plan may fill with CPU-offloaded states, e.g. 64GB (default: this machine's RAM)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -118,7 +119,7 @@ def search_kwargs(args: argparse.Namespace) -> dict:
         trials=parse_count(args.trials, what="--trials"),
         probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
         seed=parse_count(args.seed, what="--seed", minimum=0),
-        storage=args.storage, shape_policy=args.shape_policy,
+        storage=args.storage, shape_policy=args.shape_policy, host_memory=args.host_memory,
     )
 
 

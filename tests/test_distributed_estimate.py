@@ -72,6 +72,10 @@ CONFIGS = [
     # bf16-true: bf16 weights, DDP buckets and FSDP2 shards, no mixed-precision policy.
     TrainConfig(micro_batch_size=6, strategy="ddp", world_size=2, precision="bf16-true", grad_accum_steps=3),
     TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2, precision="bf16-true", grad_accum_steps=3),
+    # FSDP2's CPU offload: on CPU ranks host and device are one memory, so the step is the
+    # plain FSDP2 step's with the offload policy's own code paths.
+    TrainConfig(micro_batch_size=6, strategy="fsdp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
+                checkpoint_segments=2, cpu_offload=True),
 ]
 
 

@@ -358,3 +358,20 @@ def test_fsdp_clips_by_value_as_one_process_does(tmp_path: Path) -> None:
     assert norms == pytest.approx([r["grad_norm"] for r in records(single, "step")], rel=1e-5)
     assert min(norms) > 0.01  # the threshold did clip
     assert_same_weights(load_checkpoint(out / "model.pt"), load_checkpoint(single / "model.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_cpu_offload_trains_as_one_process_does(reference: dict[str, Any], tmp_path: Path) -> None:
+    # FSDP2's CPU offload is exact: one offloaded rank (a single device offloaded) and two
+    # reach the plain run's losses, evaluations and weights, clipping and EMA included.
+    path = model_file(tmp_path)
+    for world, micro in ((1, 8), (2, 4)):
+        out = tmp_path / f"offload{world}"
+        config = TrainConfig(micro_batch_size=micro, strategy="fsdp", world_size=world, cpu_offload=True)
+        result = launch_training(path, config, opts(out, epochs=1),
+                                 spec=LaunchSpec(nproc_per_node=world, timeout_s=60))
+        assert result is not None and result.steps == 6
+        assert losses(out) == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6), world
+        assert [e["val_loss"] for e in records(out, "eval")] == pytest.approx(
+            [e["val_loss"] for e in reference["evals"]], rel=1e-5)
+        assert_same_weights(load_checkpoint(out / "model.pt"), reference["weights"])

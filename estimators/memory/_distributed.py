@@ -203,7 +203,7 @@ def parallelize_simulated(
     with mode if mode is not None else contextlib.nullcontext():
         if config.strategy == "ddp":
             return EmulatedDDP(model, world_size=config.world_size)
-        return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder)
+        return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,10 @@ def build_for_training(task: Any, config: TrainConfig, device: torch.device | st
     """
     if model is None:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
-        model = _precision.cast_model(model, config.precision).to(device)
+        # Offloaded, the model stays on the CPU: FSDP2 moves what the device needs, unit by unit.
+        model = _precision.cast_model(model, config.precision)
+        if not config.cpu_offload:
+            model = model.to(device)
     else:
         _precision.cast_model(model, config.precision)
     model.train()
@@ -49,7 +52,8 @@ def build_for_training(task: Any, config: TrainConfig, device: torch.device | st
     if wrap is not None:
         wrapped = wrap(model)
     else:
-        wrapped = _parallel.parallelize(model, config, finder=task.checkpoint_blocks, device_ids=device_ids)
+        wrapped = _parallel.parallelize(model, config, finder=task.checkpoint_blocks, device_ids=device_ids,
+                                        device=device)
     forward: nn.Module = torch.compile(wrapped) if compile else wrapped  # type: ignore[assignment]
     return BuiltModel(_parallel.unwrap(wrapped), wrapped, forward, compiled=compile)
 

@@ -62,11 +62,16 @@ def apply_fsdp(
     mesh: Any = None,
     finder: BlockFinder | None = None,
     reshard_after_forward: bool = True,
+    offload: bool = False,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """``fully_shard`` each block of the block stack, then the root; returns the root.
 
-    ``mesh`` defaults to a 1-D mesh over the default process group's ranks on the device of
-    the model's parameters.
+    ``mesh`` defaults to a 1-D mesh over the default process group's ranks on ``device`` (by
+    default the device of the model's parameters). ``offload`` keeps the sharded parameters,
+    gradients and optimizer state on the CPU (``CPUOffloadPolicy``; pinned when the mesh is a
+    GPU's): the model is then passed on the CPU, and FSDP2 moves each unit's buffers to the
+    device while it shards the unit, so the device never holds the whole model.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -74,9 +79,14 @@ def apply_fsdp(
     if mesh is None:
         import torch.distributed as dist
 
-        device = next((p.device.type for p in model.parameters()), "cpu")
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        kind = torch.device(device).type if device is not None else next((p.device.type for p in model.parameters()), "cpu")
+        mesh = init_device_mesh(kind, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # Pinned host memory makes the copies asynchronous; a CPU mesh has nothing to pin to.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     policy = fsdp_mp_policy(precision)
     if policy is not None:
         kwargs["mp_policy"] = policy
@@ -114,14 +124,17 @@ def parallelize(
     finder: BlockFinder | None = None,
     device_ids: list[int] | None = None,
     mesh: Any = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for ``config.strategy`` (a no-op for ``single``); needs an initialised
-    default process group for ``ddp`` and ``fsdp``."""
+    default process group for ``ddp`` and ``fsdp``. ``device`` is the training device (FSDP2's
+    mesh; with ``cpu_offload`` the model arrives on the CPU)."""
     if config.strategy == "single":
         return model
     if config.strategy == "ddp":
         return apply_ddp(model, device_ids=device_ids)
-    return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder)
+    return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload,
+                      device=device)
 
 
 @contextlib.contextmanager

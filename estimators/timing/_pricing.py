@@ -20,6 +20,7 @@ from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
 from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._calibration import TimeCalibration
+from ._offload import offload_time
 from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
@@ -61,15 +62,27 @@ def step_seconds(parts: StepTimeParts, fixed: float, calibration: TimeCalibratio
 def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: TimeCalibration,
           facts: ModelFacts, spec: GPUSpec | None) -> Price:
     """One optimizer step of ``config`` on the target of ``rates``, from ``p``'s op costs."""
-    parts = step_time_parts(p.op_costs(), p.phase_labels, config.grad_accum_steps, rates)
+    costs = p.op_costs()
+    offload = None
+    if config.cpu_offload and spec is not None:
+        # The optimizer steps on the CPU: its ops leave the card's roofline for the host's.
+        on_host = _phase_mask(p, costs, "step 2 optimizer")
+        offload = offload_time(config, facts, spec, forward_s=_pass_time(p, "forward", rates),
+                               backward_s=_pass_time(p, "backward", rates),
+                               optimizer_bytes=int(costs.bytes_moved[on_host].sum()))
+        costs = _subset(costs, ~on_host)
+    parts = step_time_parts(costs, p.phase_labels, config.grad_accum_steps, rates)
     comm = _comm_time(config, p, facts, spec, rates)
-    # Added after calibration: probes run on one device and measure no communication.
-    fixed = comm.exposed_s if comm is not None else 0.0
+    # Added after calibration: probes run on one device and measure no communication (nor
+    # host traffic, as they run without offload's copies on CPU).
+    fixed = (comm.exposed_s if comm is not None else 0.0) + (offload.added_s if offload is not None else 0.0)
     seconds, calibrated = step_seconds(parts, fixed, calibration)
     notes = [calibrated] if calibrated is not None else []
     if comm is not None:
         notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
                      f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
+    if offload is not None:
+        notes.append(offload.note())
     return Price(seconds, {"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed}, tuple(notes))
 
 
@@ -97,6 +110,13 @@ def _pass_time(p: Prepared, kind: str, rates: DeviceRates) -> float:
     keep = np.asarray([p.phase_labels[int(ph)].endswith(kind) for ph in costs.phase], dtype=bool)
     if not keep.any():
         return 0.0
-    subset = OpCosts(costs.flops[keep], costs.bytes_moved[keep], [d for d, k in zip(costs.dtype, keep) if k],
-                     costs.phase[keep], [n for n, k in zip(costs.names, keep) if k])
-    return step_time(subset, p.phase_labels, 1, rates)
+    return step_time(_subset(costs, keep), p.phase_labels, 1, rates)
+
+
+def _phase_mask(p: Prepared, costs: OpCosts, label: str) -> np.ndarray:
+    return np.asarray([p.phase_labels[int(ph)] == label for ph in costs.phase], dtype=bool)
+
+
+def _subset(costs: OpCosts, keep: np.ndarray) -> OpCosts:
+    return OpCosts(costs.flops[keep], costs.bytes_moved[keep], [d for d, k in zip(costs.dtype, keep) if k],
+                   costs.phase[keep], [n for n, k in zip(costs.names, keep) if k] if costs.names else costs.names)

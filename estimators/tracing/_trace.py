@@ -28,6 +28,7 @@ from ..runtime._step import StepHooks
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
 from .._task import Task, _one_line
+from . import _cpu_offload
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
 from ._recorder import Category, OpRecord, Recorder, RecordingHooks, recorded_rng_states
 from ._steady import RawEvents, drop_second_micro, repeat_first_step
@@ -185,8 +186,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
             m, config, finder=task.checkpoint_blocks, mode=mode))
         model = built.wrapped
         with mode, quiet:
-            for p in model.parameters():
-                rec.track(p, Category.PARAMS)
+            sharded = [rec.track(p, Category.PARAMS) for p in model.parameters()]
             for buf in model.buffers():
                 rec.track(buf, Category.BUFFERS)
             for bucket in getattr(model, "buckets", ()):
@@ -199,10 +199,14 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 stack.enter_context(recorded_rng_states(rec))
                 if config.strategy == "fsdp":
                     stack.enter_context(_distributed.fsdp_storage_events(rec.resized_up, rec.resized_down))
+                if config.cpu_offload and cuda:
+                    stack.enter_context(_cpu_offload.device_copies())
                 semantics = stack.enter_context(
                     _precision.trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
                 run_steps(task, config, built, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
                           foreach=foreach, batch_offset=batch_offset, options=options)
+        if config.cpu_offload and cuda:
+            rec.host.extend(_cpu_offload.host_allocations(rec, phase_labels, [i for i in sharded if i is not None]))
     except MemplanError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from estimators import ConfigError, Estimator, Task, detect_local_gpu, load_task, parse_size
 
-__all__ = ["resolve_task", "estimator_for", "default_budget", "budget_for", "meta_model",
+__all__ = ["host_budget_for", "resolve_task", "estimator_for", "default_budget", "budget_for", "meta_model",
            "can_probe"]
 
 
@@ -80,6 +80,20 @@ def budget_for(estimator: Estimator, vram: int | str | None) -> int:
     if budget <= 0:
         raise ConfigError("--vram must be more than 0 bytes; e.g. --vram 12GB")
     return budget
+
+
+def host_budget_for(host_memory: int | str | None) -> int:
+    """Host memory a plan may hold (CPU offload's states): ``host_memory`` parsed, or this
+    machine's RAM (a plan for a card that is not here assumes its host has as much)."""
+    if host_memory is not None:
+        value = parse_size(host_memory, what="--host-memory")
+        if value <= 0:
+            raise ConfigError("--host-memory must be more than 0 bytes; e.g. --host-memory 64GB")
+        return value
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * 10**9
 
 
 def _local_matches(estimator: Estimator) -> bool:

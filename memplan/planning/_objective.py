@@ -14,10 +14,11 @@ from typing import Iterable
 import optuna
 from optuna.trial import FrozenTrial
 
-from estimators import Estimate, Estimator, MemplanError, TrainConfig
+from estimators import Estimate, Estimator, MemplanError, TrainConfig, format_size
 
 from ._failures import Failures
 from ._plan import needed_bytes
+from ._refusal import StateFloor
 from ._space import SearchSpace
 from ._study import MirroredStudy
 
@@ -27,12 +28,55 @@ __all__ = ["Objective", "optimize"]
 class Objective:
     """Samples/s of a trial's configuration, its memory over ``limit`` the constraint."""
 
-    def __init__(self, space: SearchSpace, estimator: Estimator, limit: int) -> None:
+    def __init__(self, space: SearchSpace, estimator: Estimator, limit: int, *, floor: StateFloor | None = None,
+                 host_limit: int | None = None) -> None:
         self.space = space
         self.estimator = estimator
         self.limit = limit
+        self.floor = floor
+        self.host_limit = host_limit
         self.cache: dict[TrainConfig, Estimate] = {}
         self.failures = Failures(space)
+        self.pruned: dict[TrainConfig, str] = {}
+        """Configurations known not to fit without a trace, and why."""
+
+    def fits(self, est: Estimate) -> bool:
+        """Within the device's limit, and the host's for what it offloads."""
+        return needed_bytes(est) <= self.limit and (self.host_limit is None or est.host_bytes <= self.host_limit)
+
+    def excess(self, est: Estimate) -> int:
+        """Bytes over the tighter of the two limits (<= 0: fits)."""
+        over = needed_bytes(est) - self.limit
+        if self.host_limit is not None:
+            over = max(over, est.host_bytes - self.host_limit)
+        return over
+
+    def under_floor(self, config: TrainConfig) -> tuple[int, str] | None:
+        """(bytes over, why) when the model's own states under ``config`` exceed a limit."""
+        if self.floor is None:
+            return None
+        device, host = self.floor.device(config), self.floor.host(config)
+        if device > self.limit:
+            return device - self.limit, f"model states alone need {format_size(device)} on the device"
+        if self.host_limit is not None and host > self.host_limit:
+            return host - self.host_limit, f"offloaded model states need {format_size(host)} of host memory"
+        return None
+
+    def prune(self, config: TrainConfig) -> tuple[int, str] | None:
+        """(bytes over the limit, why) when ``config`` cannot fit by what is known already:
+        its model states alone (``StateFloor``), or a configuration estimated not to fit that
+        it holds at least as much as — the same but for a micro-batch as large or larger and
+        as few checkpointed blocks or fewer. None when only an estimate can tell."""
+        below = self.under_floor(config)
+        if below is not None:
+            return below
+        for est in self.cache.values():
+            other = est.config
+            if (other.micro_batch_size <= config.micro_batch_size
+                    and other.checkpoint_segments >= config.checkpoint_segments
+                    and _same_but_batch_and_segments(other, config) and not self.fits(est)):
+                return self.excess(est), f"needs more than {other.describe()}, which does not fit"
+        return None
 
     def evaluate(self, config: TrainConfig) -> Estimate | None:
         """The estimate of ``config`` (None: it could not be traced; ``failures`` says why)."""
@@ -53,8 +97,8 @@ class Objective:
                 self.failures.resume(t.params, str(t.user_attrs["failed"]))
 
     def done(self) -> set[TrainConfig]:
-        """The configurations answered so far, estimated or failed."""
-        return {est.config for est in self.cache.values()} | set(self.failures.reasons)
+        """The configurations answered so far, estimated, failed or pruned."""
+        return {est.config for est in self.cache.values()} | set(self.failures.reasons) | set(self.pruned)
 
     def results(self) -> tuple[list[Estimate], dict[TrainConfig, str]]:
         """The estimates and the failures of the configurations in the space."""
@@ -72,6 +116,13 @@ class Objective:
         technique = (str(trial.suggest_categorical("technique", [t.name for t in space.technique_choices]))
                      if space.techniques else "none")
         config = space.config(int(micro), str(precision), int(segments), str(layout), grouped, technique)
+        known = None if config in self.cache else self.prune(config)
+        if known is not None:
+            # Known not to fit: an infeasible trial for the sampler, without a trace.
+            self.pruned[config] = known[1]
+            trial.set_user_attr("pruned", known[1])
+            trial.set_constraint("memory", max(known[0], 1) / 1e9)
+            return 0.0
         est = self.evaluate(config)
         if est is None:
             # A configuration that cannot be traced is a completed, infeasible trial (as an OOM
@@ -81,11 +132,20 @@ class Objective:
             if not self.cache and self.failures.shared(self.evaluate):
                 trial.study.stop()  # every configuration fails alike: the model itself is broken
             return 0.0
-        need = needed_bytes(est)
         trial.set_user_attr("estimate", est.to_dict())
         # Constraint in GB keeps the numbers readable in optuna-dashboard; <= 0 is feasible.
-        trial.set_constraint("memory", (need - limit) / 1e9)
+        trial.set_constraint("memory", self.excess(est) / 1e9)
         return float(est.samples_per_s or 0.0)
+
+
+def _same_but_batch_and_segments(a: TrainConfig, b: TrainConfig) -> bool:
+    # Accumulation counts only as one or more (more holds the gradients while the next
+    # micro-batch runs); under a fixed global batch it follows the micro-batch otherwise.
+    return a.replace(micro_batch_size=1, checkpoint_segments=0, grad_accum_steps=min(a.grad_accum_steps, 2),
+                     checkpoint_policy="full") == \
+        b.replace(micro_batch_size=1, checkpoint_segments=0, grad_accum_steps=min(b.grad_accum_steps, 2),
+                  checkpoint_policy="full") and (a.checkpoint_policy == b.checkpoint_policy or
+                                                 not (a.checkpoint_segments or b.checkpoint_segments))
 
 
 def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exhaustive: bool,
@@ -94,8 +154,9 @@ def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exha
     Ctrl-C cut it short (the completed trials are in the storage: a plan is built from them)."""
     space, estimator = objective.space, objective.estimator
     remaining = max(0, min(trials, len(space)) - len([c for c in objective.done() if c in set(space)]))
-    # An enumerated space asks every configuration: its traces start now, on both cores.
-    estimator.expect(space, prefetch=exhaustive and remaining > 0)
+    # An enumerated space asks every configuration: its traces start now, on both cores
+    # (those whose model states alone do not fit are never traced).
+    estimator.expect([c for c in space if objective.under_floor(c) is None], prefetch=exhaustive and remaining > 0)
     interrupted = False
     if remaining:
         try:

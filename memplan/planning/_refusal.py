@@ -10,42 +10,87 @@ smallest with its breakdown.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from estimators import Estimate, Estimator, NoFeasiblePlanError, Task, format_size
+from estimators import Estimate, Estimator, NoFeasiblePlanError, Task, TrainConfig, format_size, fsdp_units, weight_dtype
 
 from ._plan import needed_bytes
 from ._space import SearchSpace
 
-__all__ = ["refuse_from_lower_bound", "no_fit"]
+__all__ = ["StateFloor", "state_floor", "techniques_used", "refuse_from_lower_bound", "no_fit"]
+
+
+@dataclass(frozen=True)
+class StateFloor:
+    """The least memory the model's own states need under a configuration, before a single
+    activation: every parameter, the gradient of every trainable one and the optimizer's
+    state, in the dtypes the configuration trains them in, split over FSDP2's ranks; under CPU
+    offload those live in host memory and the device holds at least the root unit and the
+    largest block gathered. A bound, counted from the model built on meta (shared parameters
+    once): a configuration above it needs no trace to be known not to fit."""
+
+    params: int
+    weights: tuple[int, int]
+    """Bytes of the parameters as built, and with floating-point ones in 2 bytes (bf16-true)."""
+    grads: tuple[int, int]
+    """The same for the trainable parameters (their gradients)."""
+    optimizer: int
+    """The optimizer's state as built (0 when it cannot step on meta)."""
+    gathered: tuple[int, int]
+    """Elements of the root unit plus the largest block (what offload gathers on the device)."""
+
+    def _states(self, config: TrainConfig) -> int:
+        low = int(weight_dtype(config.precision) is not None)
+        grads = 0 if config.optimizer_in_backward else self.grads[low]
+        # The state follows the weights' dtype (fp32 built, bf16 trained).
+        total = self.weights[low] + grads + (self.optimizer // 2 if low else self.optimizer)
+        return total // config.world_size if config.strategy == "fsdp" else total
+
+    def device(self, config: TrainConfig) -> int:
+        if config.cpu_offload:
+            return sum(self.gathered) * (4 if config.precision == "fp32" else 2)
+        return self._states(config)
+
+    def host(self, config: TrainConfig) -> int:
+        return self._states(config) if config.cpu_offload else 0
+
+
+def state_floor(task: Task, model: nn.Module) -> StateFloor:
+    """The :class:`StateFloor` of ``task``'s model (``model``: built on meta)."""
+    weights = [0, 0]
+    grads = [0, 0]
+    distinct = list(dict.fromkeys(model.parameters()))
+    for p in distinct:
+        full, low = p.numel() * p.element_size(), p.numel() * (min(p.element_size(), 2) if p.is_floating_point() else p.element_size())
+        weights[0] += full
+        weights[1] += low
+        if p.requires_grad:
+            grads[0] += full
+            grads[1] += low
+    units = fsdp_units(model, task.checkpoint_blocks)
+    return StateFloor(params=sum(p.numel() for p in distinct), weights=(weights[0], weights[1]),
+                      grads=(grads[0], grads[1]), optimizer=_optimizer_state_bytes(task, model),
+                      gathered=(units.root_numel, max(units.block_numels, default=0)))
 
 
 def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, int]:
-    """(bytes, parameters, shards): the least any configuration of ``space`` can hold per
-    device before a single activation or optimizer state — every parameter and the gradient
-    of every trainable one, in the dtypes the model is built in (mixed precision keeps fp32
-    weights; ``bf16-true`` halves them where the space holds it), split over the ranks when FSDP2
-    is searched (shared parameters counted once)."""
+    """(bytes, parameters, shards): the parameters and gradients alone (no optimizer state)
+    in the most frugal precision of ``space``, split over its largest FSDP2 world."""
     seen: set[int] = set()
     states = params = 0
+    frugal = "bf16-true" in space.precisions
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         params += p.numel()
-        states += p.numel() * _element_size(p, space) * (2 if p.requires_grad else 1)
+        size = min(p.element_size(), 2) if frugal and p.is_floating_point() else p.element_size()
+        states += p.numel() * size * (2 if p.requires_grad else 1)
     shards = max((layout.world_size for layout in space.layouts if layout.strategy == "fsdp"), default=1)
     return states // shards, params, shards
-
-
-def _element_size(p: nn.Parameter, space: SearchSpace) -> int:
-    """Bytes per element of ``p`` in the most frugal precision ``space`` holds: bf16-true keeps
-    floating-point weights (and their gradients and optimizer state) in two bytes."""
-    if "bf16-true" in space.precisions and p.is_floating_point():
-        return min(p.element_size(), 2)
-    return p.element_size()
 
 
 def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
@@ -75,41 +120,93 @@ def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) 
     return f"a card with >= {gb} GB" if estimator.device == "cuda" else f"--vram {gb}GB or more"
 
 
-def refuse_from_lower_bound(task: Task, model: nn.Module, space: SearchSpace, budget: int, limit: int,
-                            estimator: Estimator) -> None:
+def techniques_used(config: TrainConfig) -> str:
+    """The memory-saving techniques of ``config`` in words ("bf16-true, full checkpointing and
+    CPU offload"), for refusals; empty when it uses none."""
+    used = []
+    if weight_dtype(config.precision) is not None:
+        used.append(config.precision)
+    if config.checkpoint_segments:
+        used.append(f"{config.checkpoint_policy} checkpointing")
+    if config.optimizer_in_backward:
+        used.append("the optimizer step in backward")
+    if config.cpu_offload:
+        used.append("CPU offload" + (f" over {config.world_size} FSDP2 ranks" if config.world_size > 1 else ""))
+    elif config.strategy == "fsdp":
+        used.append(f"FSDP2 over {config.world_size} ranks")
+    return used[0] if len(used) == 1 else ", ".join(used[:-1]) + " and " + used[-1] if used else ""
+
+
+def _corners(space: SearchSpace) -> list[TrainConfig]:
+    """A configuration per layout, precision and technique, at the smallest micro-batch with
+    every block checkpointed: the floor does not depend on the batch."""
+    m, s = space.micro_batch_sizes[0], space.checkpoint_segments[-1]
+    return list(dict.fromkeys(space.config(m, p, s, layout, False, t) for layout in space.layouts
+                              for p in space.precisions for t in space.technique_choices))
+
+
+def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, budget: int, limit: int,
+                            estimator: Estimator, host_limit: int | None = None) -> None:
     """Say at once, without a trace, that nothing fits when the model's own states do not: a
     3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta,
-    not after a search's traces."""
-    floor, params, shards = _model_state_floor(model, space)
-    optimizer = _optimizer_state_bytes(task, model) // shards
-    if "bf16-true" in space.precisions:
-        optimizer //= 2  # the state follows the weights' dtype (fp32 built, bf16 trained)
-    if floor + optimizer <= limit:
+    not after a search's traces. ``host_limit``: the host memory offloaded states may use."""
+    corners = _corners(space)
+    hosted = [c for c in corners if host_limit is None or floor.host(c) <= host_limit]
+    best = min(hosted or corners, key=floor.device)
+    need = floor.device(best)
+    if hosted and need <= limit:
         return
-    floor += optimizer
-    where = f" per device over {shards} FSDP2 ranks" if shards > 1 else ""
-    if "bf16-true" in space.precisions:
-        where += " even in bf16-true"
-    hints = [_more_memory_hint(floor, budget, limit, estimator)]
+    if not hosted:
+        host_need = min(floor.host(c) for c in corners)
+        raise NoFeasiblePlanError(
+            f"nothing fits: offloaded, {task.name}'s states need {format_size(host_need)} of host memory "
+            f"({best.describe()}), more than the {format_size(host_limit or 0)} this plan may use, and on the "
+            f"device they need more than {format_size(budget)} — try --host-memory with the host's RAM, "
+            "FSDP over more devices, or a smaller model",
+            nearest=None, needed_bytes=host_need, budget_bytes=budget)
+    where = f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 \
+        and not best.cpu_offload else ""
+    used = techniques_used(best)
+    if used:
+        where += f" even with {used}" if best.checkpoint_segments or best.cpu_offload else f" even in {used}"
+    hints = [_more_memory_hint(need, budget, limit, estimator)]
+    shards = best.world_size if best.strategy == "fsdp" else 1
     devices = max(2, 2 * shards)
     hints.append(f"FSDP over {devices} devices (--gpus {devices})")
     hints.append("a smaller model, or frozen parts (no gradients)")
+    what = (f"the root unit and the largest block gathered{where}" if best.cpu_offload else
+            f"{floor.params:,} parameters, their gradients" + (" and the optimizer's state" if floor.optimizer else "")
+            + f" alone need {format_size(need)}{where}, before any activation" + ("" if floor.optimizer else " or optimizer state"))
+    if best.cpu_offload:
+        what = f"{task.name}'s {what} alone need {format_size(need)}, before any activation"
+    else:
+        what = f"{task.name}'s {what}"
     raise NoFeasiblePlanError(
-        f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {task.name}'s "
-        f"{params:,} parameters, their gradients" + (" and the optimizer's state" if optimizer else "")
-        + f" alone need {format_size(floor)}{where}, before any activation"
-        + ("" if optimizer else " or optimizer state") + f" — try {', '.join(hints)}",
-        nearest=None, needed_bytes=floor, budget_bytes=budget,
+        f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {what}"
+        f" — try {', '.join(hints)}",
+        nearest=None, needed_bytes=need, budget_bytes=budget,
     )
 
 
-def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False) -> NoFeasiblePlanError:
-    nearest = min(estimates, key=needed_bytes)
+def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False,
+           host_limit: int | None = None) -> NoFeasiblePlanError:
+    def excess(e: Estimate) -> int:
+        over = needed_bytes(e) - limit
+        return max(over, e.host_bytes - host_limit) if host_limit is not None else over
+
+    if not estimates:
+        return NoFeasiblePlanError(
+            f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): no configuration "
+            "could be estimated — try a card with more memory, FSDP over more devices, or a smaller model",
+            nearest=None, needed_bytes=limit + 1, budget_bytes=budget)
+    nearest = min(estimates, key=excess)
     need = needed_bytes(nearest)
     parts = sorted(nearest.breakdown.items(), key=lambda kv: -kv[1])
     detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts if v > 0)
     if nearest.context_bytes:
         detail += f", CUDA context {format_size(nearest.context_bytes)}"
+    if nearest.host_bytes and host_limit is not None and nearest.host_bytes > host_limit:
+        detail += f"; and {format_size(nearest.host_bytes)} of host memory, more than the {format_size(host_limit)} allowed"
     hints = [_more_memory_hint(need, budget, limit, estimator)]
     if nearest.config.strategy == "fsdp":
         hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
@@ -117,10 +214,14 @@ def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estima
         # FSDP2 shards parameters, gradients and optimizer state over the ranks.
         devices = max(2, 2 * nearest.config.world_size)
         hints.append(f"FSDP over {devices} devices (--gpus {devices})")
+    if nearest.host_bytes and host_limit is not None and nearest.host_bytes > host_limit:
+        hints.append("--host-memory with the host's RAM")
     hints.append("a smaller model")
     what = "nothing fits" if not measured else "nothing that was probed fits"
+    used = techniques_used(nearest.config)
     return NoFeasiblePlanError(
         f"{what} in {format_size(budget)} (keeping {format_size(budget - limit)} free); the smallest plan "
-        f"({nearest.config.describe()}) needs {format_size(need)}: {detail} — try {', '.join(hints)}",
+        f"({nearest.config.describe()}) needs {format_size(need)}" + (f" even with {used}" if used else "")
+        + f": {detail} — try {', '.join(hints)}",
         nearest=nearest, needed_bytes=need, budget_bytes=budget,
     )

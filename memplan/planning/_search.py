@@ -21,13 +21,13 @@ import torch.nn as nn
 
 from estimators import ConfigError, Task, prestart
 
-from ._inputs import budget_for, can_probe, estimator_for, meta_model, resolve_task
+from ._inputs import budget_for, can_probe, estimator_for, host_budget_for, meta_model, resolve_task
 from ._objective import Objective, optimize
-from ._plan import Plan, needed_bytes
+from ._plan import Plan
 from ._probes import probe_best
 from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
-from ._refusal import no_fit, refuse_from_lower_bound
+from ._refusal import no_fit, refuse_from_lower_bound, state_floor
 from ._space import frugal_space, layouts_for, space_for
 from ._study import enqueue_corners, open_study
 
@@ -62,6 +62,7 @@ def search(
     strategies: Sequence[str] | None = None,
     plot: str | os.PathLike[str] | None = None,
     shape_policy: str = "max",
+    host_memory: int | str | None = None,
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -87,6 +88,10 @@ def search(
     (``"max"``), or at the 99th percentile of an epoch's batches (``"p99"``: a rarer, larger
     batch is left to OOM recovery). Fixed-shape data is unaffected.
 
+    ``host_memory``: the host RAM a GPU plan may fill with what it offloads (``"64GB"``; by
+    default this machine's RAM). When nothing fits otherwise, the search widens to bf16-true,
+    selective checkpointing and, on a GPU, FSDP2's CPU offload (one device included).
+
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
     alone the best are probed, and probes that overturn the prediction are confirmed by
     probing again, not by a race.
@@ -111,7 +116,9 @@ def search(
                       micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments)
     # The bound of the most frugal space the search may widen to: nothing it could try fits.
     frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None)
-    refuse_from_lower_bound(task, blocks_model, frugal or space, budget, limit, estimator)
+    floor = state_floor(task, blocks_model)
+    host_limit = host_budget_for(host_memory) if estimator.device == "cuda" else None
+    refuse_from_lower_bound(task, floor, frugal or space, budget, limit, estimator, host_limit)
     if probe_top > 0 and probe_fn is None and can_probe(estimator, gpu) and all(
             layout.strategy == "single" for layout in space.layouts):
         # The probe server imports torch while the estimates run, not when the first probe
@@ -120,12 +127,13 @@ def search(
         estimator.rates()
         prestart()
 
-    study = dict(budget=budget, margin=margin, trials=trials, seed=seed, storage=storage, progress=progress)
+    study = dict(budget=budget, margin=margin, trials=trials, seed=seed, storage=storage, progress=progress,
+                 floor=floor, host_limit=host_limit)
     objective, mirrored, interrupted = _run_study(task, estimator, space, limit, **study)
     estimates, failed = objective.results()
     if not estimates and failed:
         raise objective.failures.first_error()
-    feasible = [e for e in estimates if needed_bytes(e) <= limit]
+    feasible = [e for e in estimates if objective.fits(e)]
     notes: list[str] = []
     wider = None if feasible else frugal
     if wider is not None:
@@ -133,11 +141,13 @@ def search(
         # speed or precision for memory (the estimates made so far are kept).
         objective, mirrored, interrupted = _run_study(task, estimator, wider, limit, cache=objective.cache, **study)
         estimates, failed = objective.results()
-        feasible = [e for e in estimates if needed_bytes(e) <= limit]
+        feasible = [e for e in estimates if objective.fits(e)]
         added = [p for p in wider.precisions if p not in space.precisions] + [t.name for t in wider.techniques]
         notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
     if not feasible:
-        raise no_fit(estimates, budget, limit, estimator)
+        if not estimates:  # every configuration was known not to fit without a trace
+            refuse_from_lower_bound(task, floor, wider or space, budget, limit, estimator, host_limit)
+        raise no_fit(estimates, budget, limit, estimator, host_limit=host_limit)
     entries = rank_predicted(feasible)
     tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
     if interrupted:
@@ -159,10 +169,10 @@ def search(
 
 
 def _run_study(task: Task, estimator: Any, space: Any, limit: int, *, budget: int, margin: float, trials: int,
-               seed: int | None, storage: str | None, progress: bool,
+               seed: int | None, storage: str | None, progress: bool, floor: Any = None, host_limit: int | None = None,
                cache: dict[Any, Any] | None = None) -> tuple[Objective, Any, bool]:
     """The study of ``space``: resumed, its least-memory corners asked first, run to ``trials``."""
-    objective = Objective(space, estimator, limit)
+    objective = Objective(space, estimator, limit, floor=floor, host_limit=host_limit)
     if cache:
         objective.cache.update(cache)
     mirrored, exhaustive = open_study(task, estimator, budget=budget, margin=margin, space=space, trials=trials,

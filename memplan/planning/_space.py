@@ -11,7 +11,7 @@ from estimators import (
     ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
 )
 
-__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
+__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "CPU_OFFLOAD", "CpuOffload", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -49,7 +49,18 @@ class Technique:
             return config
 
 
+class CpuOffload(Technique):
+    """FSDP2's CPU offload: on one device a world of one FSDP2 rank, on FSDP2 layouts the
+    offload policy added; DDP cannot offload (the configuration stays as it is)."""
+
+    def apply(self, config: TrainConfig) -> TrainConfig:
+        if config.strategy == "ddp" or config.optimizer_in_backward:
+            return config
+        return config.replace(strategy="fsdp", cpu_offload=True)
+
+
 NO_TECHNIQUE = Technique("none", ())
+CPU_OFFLOAD = CpuOffload("cpu-offload", (("cpu_offload", True),))
 
 
 @dataclass(frozen=True)
@@ -119,12 +130,24 @@ class SearchSpace:
                             for t in self.technique_choices:
                                 yield self.config(m, p, s, layout, g, t)
 
-    def smallest(self) -> list[TrainConfig]:
-        """Corners most likely to need the least memory (the nearest miss when nothing fits):
-        the smallest micro-batch, every block checkpointed, each precision and layout."""
+    def smallest(self) -> list[tuple[TrainConfig, dict[str, object]]]:
+        """Corners most likely to need the least memory (the nearest miss when nothing fits),
+        with the trial parameters that ask for them: the smallest micro-batch, every block
+        checkpointed, each precision and layout, without a technique and with CPU offload
+        where it is searched."""
         m = self.micro_batch_sizes[0]
         s = self.checkpoint_segments[-1]
-        return [self.config(m, p, s, layout) for layout in self.layouts for p in self.precisions]
+        techniques = [NO_TECHNIQUE] + [t for t in self.techniques if t is CPU_OFFLOAD]
+        out: dict[TrainConfig, dict[str, object]] = {}
+        for t in techniques:
+            for layout in self.layouts:
+                for p in self.precisions:
+                    params: dict[str, object] = {"layout": layout.key, "micro_batch_size": m, "precision": p,
+                                                 "checkpoint_segments": s}
+                    if self.techniques:
+                        params["technique"] = t.name
+                    out.setdefault(self.config(m, p, s, layout, False, t), params)
+        return list(out.items())
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -287,8 +310,9 @@ FRUGAL_TECHNIQUES = (Technique("selective-checkpointing", (("checkpoint_policy",
 def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned: bool) -> SearchSpace | None:
     """``space`` widened with the techniques that trade speed or precision for memory, for
     when nothing fits without them: pure bf16 (``bf16-true``: weights, gradients and optimizer
-    state in bf16) where the device has bf16 and the precisions were not pinned, and selective
-    checkpointing. None when there is nothing to add."""
+    state in bf16) where the device has bf16 and the precisions were not pinned, selective
+    checkpointing, and on a GPU FSDP2's CPU offload (one rank, or every FSDP2 layout's). None
+    when there is nothing to add."""
     from dataclasses import replace
 
     precisions = space.precisions
@@ -296,6 +320,10 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
     if not precisions_pinned and has_bf16 and "bf16-true" not in precisions:
         precisions = (*precisions, "bf16-true")
     techniques = tuple(t for t in FRUGAL_TECHNIQUES if t not in space.techniques) if max(space.checkpoint_segments) else ()
+    if estimator.device == "cuda" and CPU_OFFLOAD not in space.techniques \
+            and any(layout.strategy != "ddp" for layout in space.layouts):
+        # Host memory is the device's on a CPU target: offloading there saves nothing.
+        techniques = (*techniques, CPU_OFFLOAD)
     if precisions == space.precisions and not techniques:
         return None
     return replace(space, precisions=precisions, techniques=(*space.techniques, *techniques))

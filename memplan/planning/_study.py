@@ -30,7 +30,7 @@ from optuna.trial import FrozenTrial, TrialState
 from estimators import Estimator, Task, TrainConfig
 
 from .._version import __version__
-from ._space import SearchSpace, layout_key
+from ._space import SearchSpace
 
 __all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners"]
 
@@ -137,8 +137,6 @@ def enqueue_corners(study: optuna.Study, space: SearchSpace, done: Iterable[Trai
     """Ask first for the corners most likely to need the least memory (``space.smallest()``),
     those not answered yet: when nothing fits, the nearest miss is among them."""
     done = set(done)
-    for corner in space.smallest():
+    for corner, params in space.smallest():
         if corner not in done:
-            study.enqueue_trial({"layout": layout_key(corner), "micro_batch_size": corner.micro_batch_size,
-                                 "precision": corner.precision, "checkpoint_segments": corner.checkpoint_segments},
-                                skip_if_exists=True)
+            study.enqueue_trial(params, skip_if_exists=True)
