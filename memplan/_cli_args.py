@@ -28,7 +28,6 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16) | bf16-true | fp16-true")
     p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
-    p.add_argument("--host-memory", default=None, help="host RAM a GPU plan may fill with CPU-offloaded states, e.g. 64GB (default: this machine's RAM)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -56,6 +55,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default=None, help="strategies to search with --gpus > 1: ddp, fsdp or ddp,fsdp")
     p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
+    p.add_argument("--host-memory", default=None, help="host RAM a GPU plan may fill with CPU-offloaded states, e.g. 64GB (default: this machine's RAM)")
     p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
     p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
     p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")

@@ -221,3 +221,26 @@ def test_refusal_names_the_techniques() -> None:
                                        checkpoint_policy="full", strategy="fsdp", cpu_offload=True)) \
         == "bf16-true, full checkpointing and CPU offload"
     assert CPU_OFFLOAD.apply(TrainConfig(micro_batch_size=1, strategy="ddp", world_size=2)).strategy == "ddp"
+
+
+@pytest.mark.parametrize("config", [
+    OFFLOAD.replace(precision="bf16-mixed", grad_accum_steps=2),
+    TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=4, precision="bf16-true", grad_accum_steps=3,
+                checkpoint_segments=4, checkpoint_policy="selective"),
+], ids=["offload", "fsdp x4"])
+def test_fsdp_second_step_is_derived_as_traced(lm: Task, config: TrainConfig) -> None:
+    # FSDP2 traces one step and derives the second (as one device does): the same peaks as
+    # tracing both, on the device and on the host.
+    from estimators.memory._prepare import prepare
+    from estimators.memory._replay import replay
+    from estimators.tracing._trace import trace_step
+
+    def peak(synthesize: bool):
+        trace = trace_step(lm, config, steps=2, target="cuda", capability=(8, 0), synthesize=synthesize)
+        return trace, replay(prepare(trace, workspaces=None, cublas_workspace_bytes=None, notes=(), model=None), "cuda")
+
+    derived, a = peak(True)
+    traced, b = peak(False)
+    assert (a.allocated, a.reserved, a.host) == (b.allocated, b.reserved, b.host)
+    assert sum(o.flops for o in derived.ops if derived.phase_labels[o.phase].startswith("step 2")) == \
+        sum(o.flops for o in traced.ops if traced.phase_labels[o.phase].startswith("step 2"))

@@ -34,3 +34,17 @@ def test_the_standard_space_is_searched_first() -> None:
 def test_pinned_precisions_are_not_widened() -> None:
     with pytest.raises(NoFeasiblePlanError):
         search(_wide_task(), vram="110MB", device="cpu", global_batch=4, probe_top=0, trials=20, precisions=["fp32"])
+
+
+def test_the_optimizer_steps_in_backward_when_only_that_fits_and_clipping_allows() -> None:
+    # fp32 pinned: weights, gradients, AdamW's moments and its step's temporaries peak at
+    # 176 MB; stepping each parameter as its gradient is ready holds one layer's gradient and
+    # temporaries at a time (144 MB).
+    from estimators import StepOptions
+    task = _wide_task().with_step(StepOptions(clip="off"))
+    plan = search(task, vram="170MB", device="cpu", global_batch=4, probe_top=0, trials=30, precisions=["fp32"])
+    assert plan.best.config.optimizer_in_backward and plan.best.config.grad_accum_steps == 1
+    assert any("optimizer-in-backward" in note for note in plan.notes), plan.notes
+    # Clipping by the global norm (the default step) excludes it, and the refusal says what was tried.
+    with pytest.raises(NoFeasiblePlanError):
+        search(_wide_task(), vram="170MB", device="cpu", global_batch=4, probe_top=0, trials=30, precisions=["fp32"])

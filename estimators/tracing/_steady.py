@@ -14,8 +14,14 @@ one-device configuration the second step is built from the first instead of trac
 
 Step 2 thus replays step 1's kernels with step 1's survivors alive, which is what a real
 second step does when the model's control flow does not depend on the step number.
-DDP (its buckets are rebuilt at step 2) and FSDP2 (lazy initialisation in step 1) differ
-between steps in other ways and are traced for two steps; so are real runs.
+FSDP2 is derived too: its lazy initialisation in step 1 allocates nothing that lives on, and
+the unsharded parameters it frees and re-allocates by resizing storages are step 1's
+transients (derived and traced second steps have the same peaks, allocated, reserved and
+host, on fp32, bf16-mixed, bf16-true, accumulation, checkpointing and CPU offload; the
+derived step repeats step 1's ``empty`` calls that create the unsharded storages, a few
+percent of the bytes the time model prices for such a small model). DDP (its buckets are
+rebuilt at step 2) differs between steps in other ways and is traced for two steps; so are
+real runs.
 
 Likewise a step without gradient accumulation is the first micro-batch of an accumulating
 step (``drop_second_micro``): one trace of accumulation 2 serves accumulation 1 too.

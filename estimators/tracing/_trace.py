@@ -163,8 +163,8 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 synthesize: bool, foreach: bool, cuda: bool = False,
                 capability: tuple[int, int] | None = None, batch_offset: int = 0,
                 options: StepOptions | None = None) -> Trace:
-    # One device on fake tensors: trace one step and derive the later ones (see _steady).
-    derive = synthesize and config.strategy == "single" and steps == 2
+    # One device or FSDP2 on fake tensors: trace one step and derive the later ones (see _steady).
+    derive = synthesize and config.strategy in ("single", "fsdp") and steps == 2
     traced_steps = 1 if derive else steps
     mode = contextlib.nullcontext() if real else fake_mode()
     quiet = contextlib.nullcontext() if real else quiet_fake_tensor_log()

@@ -120,29 +120,31 @@ def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) 
     return f"a card with >= {gb} GB" if estimator.device == "cuda" else f"--vram {gb}GB or more"
 
 
-def techniques_used(config: TrainConfig) -> str:
+def techniques_used(config: TrainConfig, *, states_only: bool = False) -> str:
     """The memory-saving techniques of ``config`` in words ("bf16-true, full checkpointing and
-    CPU offload"), for refusals; empty when it uses none."""
+    CPU offload"), for refusals; empty when it uses none. ``states_only``: only those that
+    change what the model's states need (not checkpointing)."""
     used = []
     if weight_dtype(config.precision) is not None:
         used.append(config.precision)
-    if config.checkpoint_segments:
+    if config.checkpoint_segments and not states_only:
         used.append(f"{config.checkpoint_policy} checkpointing")
     if config.optimizer_in_backward:
         used.append("the optimizer step in backward")
     if config.cpu_offload:
         used.append("CPU offload" + (f" over {config.world_size} FSDP2 ranks" if config.world_size > 1 else ""))
-    elif config.strategy == "fsdp":
+    elif config.strategy == "fsdp" and not states_only:  # a refusal of states says "per device" itself
         used.append(f"FSDP2 over {config.world_size} ranks")
     return used[0] if len(used) == 1 else ", ".join(used[:-1]) + " and " + used[-1] if used else ""
 
 
 def _corners(space: SearchSpace) -> list[TrainConfig]:
-    """A configuration per layout, precision and technique, at the smallest micro-batch with
-    every block checkpointed: the floor does not depend on the batch."""
-    m, s = space.micro_batch_sizes[0], space.checkpoint_segments[-1]
-    return list(dict.fromkeys(space.config(m, p, s, layout, False, t) for layout in space.layouts
-                              for p in space.precisions for t in space.technique_choices))
+    """A configuration per layout, precision, technique and micro-batch size (a technique may
+    apply at some sizes only: the step in backward without accumulation), every block
+    checkpointed. The floor does not depend on the batch; the smallest size comes first."""
+    s = space.checkpoint_segments[-1]
+    return list(dict.fromkeys(space.config(m, p, s, layout, False, t) for m in space.micro_batch_sizes
+                              for layout in space.layouts for p in space.precisions for t in space.technique_choices))
 
 
 def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, budget: int, limit: int,
@@ -166,9 +168,9 @@ def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, b
             nearest=None, needed_bytes=host_need, budget_bytes=budget)
     where = f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 \
         and not best.cpu_offload else ""
-    used = techniques_used(best)
+    used = techniques_used(best, states_only=True)
     if used:
-        where += f" even with {used}" if best.checkpoint_segments or best.cpu_offload else f" even in {used}"
+        where += f" even in {used}" if used == best.precision else f" even with {used}"
     hints = [_more_memory_hint(need, budget, limit, estimator)]
     shards = best.world_size if best.strategy == "fsdp" else 1
     devices = max(2, 2 * shards)

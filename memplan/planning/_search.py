@@ -28,7 +28,7 @@ from ._probes import probe_best
 from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
 from ._refusal import no_fit, refuse_from_lower_bound, state_floor
-from ._space import frugal_space, layouts_for, space_for
+from ._space import frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
 from ._study import enqueue_corners, open_study
 
 __all__ = ["search"]
@@ -144,6 +144,9 @@ def search(
         feasible = [e for e in estimates if objective.fits(e)]
         added = [p for p in wider.precisions if p not in space.precisions] + [t.name for t in wider.techniques]
         notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
+        excluded = optimizer_in_backward_excluded(task)
+        if excluded is not None:
+            notes.append(f"the optimizer step in backward was not searched: {excluded}")
     if not feasible:
         if not estimates:  # every configuration was known not to fit without a trace
             refuse_from_lower_bound(task, floor, wider or space, budget, limit, estimator, host_limit)

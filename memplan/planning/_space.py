@@ -11,7 +11,7 @@ from estimators import (
     ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
 )
 
-__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "CPU_OFFLOAD", "CpuOffload", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
+__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "CPU_OFFLOAD", "CpuOffload", "OPTIMIZER_IN_BACKWARD", "optimizer_in_backward_excluded", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -303,6 +303,19 @@ def space_for(task: Task, estimator: Estimator, blocks_model: nn.Module, *, glob
     )
 
 
+OPTIMIZER_IN_BACKWARD = Technique("optimizer-in-backward", (("optimizer_in_backward", True),))
+"""Each parameter stepped as its gradient is ready (one device, no accumulation: a
+configuration it does not apply to stays as it is)."""
+
+
+def optimizer_in_backward_excluded(task: Task) -> str | None:
+    """Why the task's step cannot step the optimizer in backward (None: it can)."""
+    if task.step.clip == "norm":
+        return ("the step clips by the global gradient norm, which needs every gradient before any step "
+                "(clip by value or turn clipping off to search it)")
+    return None
+
+
 FRUGAL_TECHNIQUES = (Technique("selective-checkpointing", (("checkpoint_policy", "selective"),)),)
 """Searched when nothing fits with the standard axes: exact, but slower than what they replace."""
 
@@ -311,8 +324,9 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
     """``space`` widened with the techniques that trade speed or precision for memory, for
     when nothing fits without them: pure bf16 (``bf16-true``: weights, gradients and optimizer
     state in bf16) where the device has bf16 and the precisions were not pinned, selective
-    checkpointing, and on a GPU FSDP2's CPU offload (one rank, or every FSDP2 layout's). None
-    when there is nothing to add."""
+    checkpointing, the optimizer step in backward (one device, no accumulation, unless the
+    step clips by the global norm), and on a GPU FSDP2's CPU offload (one rank, or every
+    FSDP2 layout's). None when there is nothing to add."""
     from dataclasses import replace
 
     precisions = space.precisions
@@ -320,6 +334,9 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
     if not precisions_pinned and has_bf16 and "bf16-true" not in precisions:
         precisions = (*precisions, "bf16-true")
     techniques = tuple(t for t in FRUGAL_TECHNIQUES if t not in space.techniques) if max(space.checkpoint_segments) else ()
+    if OPTIMIZER_IN_BACKWARD not in space.techniques and optimizer_in_backward_excluded(estimator.task) is None \
+            and any(layout.strategy == "single" for layout in space.layouts):
+        techniques = (*techniques, OPTIMIZER_IN_BACKWARD)
     if estimator.device == "cuda" and CPU_OFFLOAD not in space.techniques \
             and any(layout.strategy != "ddp" for layout in space.layouts):
         # Host memory is the device's on a CPU target: offloading there saves nothing.
