@@ -244,3 +244,26 @@ def test_fsdp_second_step_is_derived_as_traced(lm: Task, config: TrainConfig) ->
     assert (a.allocated, a.reserved, a.host) == (b.allocated, b.reserved, b.host)
     assert sum(o.flops for o in derived.ops if derived.phase_labels[o.phase].startswith("step 2")) == \
         sum(o.flops for o in traced.ops if traced.phase_labels[o.phase].startswith("step 2"))
+
+
+def test_the_lower_bound_names_the_host_when_only_the_host_is_short() -> None:
+    # 8 blocks of 1024x1024: bf16-true's states (8 bytes a parameter) do not fit a 40 MB room on
+    # the card; offloaded they would, but the host may hold only 4 bytes a parameter.
+    from memplan.planning._refusal import refuse_from_lower_bound
+    from memplan.planning._space import frugal_space
+    task = _wide(n=8, d=1024)
+    with torch.device("meta"):
+        model = task.build_model()
+    floor = state_floor(task, model)
+    params = floor.params
+    estimator = Estimator(task, gpu="RTX-4090")
+    space = build_space(dataset_size=None, global_batch=8, precisions=("bf16-mixed",), max_segments=8)
+    wide = frugal_space(space, estimator, precisions_pinned=False)
+    assert wide is not None and CPU_OFFLOAD in wide.techniques
+    limit = 5 * params
+    with pytest.raises(NoFeasiblePlanError) as info:
+        refuse_from_lower_bound(task, floor, wide, int(limit / 0.9), limit, estimator, host_limit=4 * params)
+    message = str(info.value)
+    assert "even in bf16-true" in message and "--host-memory" in message and "of host memory" in message, message
+    # With room on the host it is left to the search (nothing raised).
+    refuse_from_lower_bound(task, floor, wide, int(limit / 0.9), limit, estimator, host_limit=64 * params)

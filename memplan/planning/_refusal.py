@@ -153,36 +153,33 @@ def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, b
     3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta,
     not after a search's traces. ``host_limit``: the host memory offloaded states may use."""
     corners = _corners(space)
-    hosted = [c for c in corners if host_limit is None or floor.host(c) <= host_limit]
-    best = min(hosted or corners, key=floor.device)
-    need = floor.device(best)
-    if hosted and need <= limit:
+    on_host = [c for c in corners if host_limit is None or floor.host(c) <= host_limit]
+    best = min(on_host or corners, key=floor.device)
+    if on_host and floor.device(best) <= limit:
         return
-    if not hosted:
-        host_need = min(floor.host(c) for c in corners)
-        raise NoFeasiblePlanError(
-            f"nothing fits: offloaded, {task.name}'s states need {format_size(host_need)} of host memory "
-            f"({best.describe()}), more than the {format_size(host_limit or 0)} this plan may use, and on the "
-            f"device they need more than {format_size(budget)} — try --host-memory with the host's RAM, "
-            "FSDP over more devices, or a smaller model",
-            nearest=None, needed_bytes=host_need, budget_bytes=budget)
-    where = f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 \
-        and not best.cpu_offload else ""
-    used = techniques_used(best, states_only=True)
-    if used:
-        where += f" even in {used}" if used == best.precision else f" even with {used}"
+    need = floor.device(best)
     hints = [_more_memory_hint(need, budget, limit, estimator)]
+    # Offloaded, the device would have room: the host has not.
+    short_of_host = [floor.host(c) for c in corners if c not in on_host and floor.device(c) <= limit]
+    if short_of_host:
+        hints.insert(0, f"--host-memory {math.ceil(min(short_of_host) / 1e9)}GB or more (offloaded, the states "
+                        f"need {format_size(min(short_of_host))} of host memory, more than the "
+                        f"{format_size(host_limit or 0)} allowed)")
     shards = best.world_size if best.strategy == "fsdp" else 1
     devices = max(2, 2 * shards)
     hints.append(f"FSDP over {devices} devices (--gpus {devices})")
     hints.append("a smaller model, or frozen parts (no gradients)")
-    what = (f"the root unit and the largest block gathered{where}" if best.cpu_offload else
-            f"{floor.params:,} parameters, their gradients" + (" and the optimizer's state" if floor.optimizer else "")
-            + f" alone need {format_size(need)}{where}, before any activation" + ("" if floor.optimizer else " or optimizer state"))
+    used = techniques_used(best, states_only=True)
+    even = (f" even in {used}" if used == best.precision else f" even with {used}") if used else ""
     if best.cpu_offload:
-        what = f"{task.name}'s {what} alone need {format_size(need)}, before any activation"
+        what = (f"{task.name}'s root unit and largest block, gathered on the device, alone need "
+                f"{format_size(need)}{even}, before any activation")
     else:
-        what = f"{task.name}'s {what}"
+        where = f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 else ""
+        what = (f"{task.name}'s {floor.params:,} parameters, their gradients"
+                + (" and the optimizer's state" if floor.optimizer else "")
+                + f" alone need {format_size(need)}{where}{even}, before any activation"
+                + ("" if floor.optimizer else " or optimizer state"))
     raise NoFeasiblePlanError(
         f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {what}"
         f" — try {', '.join(hints)}",
