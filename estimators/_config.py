@@ -79,6 +79,12 @@ class TrainConfig:
     """Step each parameter in backward, by its own optimizer, as soon as its gradient is ready,
     and free the gradient at once (torchtune's ``optimizer_in_bwd``): no moment holds every
     gradient. One device, no accumulation, no fp16 GradScaler, no clipping by the global norm."""
+    offload_activations: bool = False
+    """Keep the tensors autograd saves for backward in host memory between forward and backward
+    (torchtune's ``OffloadActivations``; see ``runtime._offload``): on a GPU the saved
+    activations leave device memory, at the price of copies over the host link each way. Any
+    strategy and precision; with checkpointing, the checkpointed blocks' inputs are offloaded.
+    On a CPU device nothing moves (host memory is the device's)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes"):
@@ -106,6 +112,8 @@ class TrainConfig:
         if not isinstance(self.length_grouped, bool):
             raise ConfigError(f"length_grouped must be True or False, got {self.length_grouped!r}")
         _check_optimizer_in_backward(self)
+        if not isinstance(self.offload_activations, bool):
+            raise ConfigError(f"offload_activations must be True or False, got {self.offload_activations!r}")
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
@@ -128,6 +136,8 @@ class TrainConfig:
             del d["checkpoint_policy"]  # likewise
         if not self.optimizer_in_backward:
             del d["optimizer_in_backward"]  # likewise
+        if not self.offload_activations:
+            del d["offload_activations"]  # likewise
         return d
 
     @classmethod
@@ -153,6 +163,8 @@ class TrainConfig:
             parts.append("length-grouped")
         if self.optimizer_in_backward:
             parts.append("optimizer in backward")
+        if self.offload_activations:
+            parts.append("activations offloaded")
         return ", ".join(parts)
 
 

@@ -89,6 +89,9 @@ class Estimate:
     ``fixed`` (exposed communication, which calibration leaves alone); seconds. Kept so that a
     stored prediction (a resumed study's) can be recalibrated, and can calibrate, without its
     trace. None for measurements."""
+    host_bytes: int = 0
+    """On cuda: the peak of the step's allocations in host memory (offloaded activations:
+    ``TrainConfig.offload_activations``), outside ``peak_bytes``; 0 on cpu."""
 
     @property
     def peak_bytes(self) -> int:
@@ -272,6 +275,7 @@ class Estimator:
             notes=tuple(notes),
             time_parts=cost.time_parts,
             batch_shapes=batch_shapes,
+            host_bytes=memory.host,
         )
 
     def _batch_shapes(self, config: TrainConfig, p: Prepared) -> dict[str, Any] | None:

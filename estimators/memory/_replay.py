@@ -27,6 +27,8 @@ class MemoryPeak:
     reserved: int | None
     breakdown: dict[str, int]
     phase: str
+    host: int = 0
+    """On cuda: the peak of the allocations in host memory (offloaded activations, RNG states)."""
 
 
 def replay(p: Prepared, device: str) -> MemoryPeak:
@@ -41,7 +43,16 @@ def replay(p: Prepared, device: str) -> MemoryPeak:
     breakdown = {Category(i).label: int(round(v)) for i, v in enumerate(by_cat)}
     reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign) if device == "cuda" else None
     phase = p.phase_labels[int(p.event_phase[peak_index])] if len(running) else "setup"
-    return MemoryPeak(peak_allocated, reserved, breakdown, phase)
+    host = _host_peak(p) if device == "cuda" else 0  # on cpu the host is the device: counted above
+    return MemoryPeak(peak_allocated, reserved, breakdown, phase, host)
+
+
+def _host_peak(p: Prepared) -> int:
+    on_host = np.isin(p.event_alloc, p.host_allocs)
+    if not on_host.any():
+        return 0
+    signed = p.alloc_bytes[p.event_alloc[on_host]] * p.event_sign[on_host].astype(np.int64)
+    return int(np.cumsum(signed).max(initial=0))
 
 
 def replay_sizes(p: Prepared, device: str) -> np.ndarray:

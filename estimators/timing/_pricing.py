@@ -20,6 +20,7 @@ from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
 from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._calibration import TimeCalibration
+from ._offload_time import offload_time
 from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
@@ -65,11 +66,18 @@ def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: Tim
     comm = _comm_time(config, p, facts, spec, rates)
     # Added after calibration: probes run on one device and measure no communication.
     fixed = comm.exposed_s if comm is not None else 0.0
+    offload = offload_time(p, config.grad_accum_steps, rates, spec)
+    if offload is not None:  # offloaded activations: the host link's copies compute does not hide
+        fixed += offload.exposed_s
     seconds, calibrated = step_seconds(parts, fixed, calibration)
     notes = [calibrated] if calibrated is not None else []
     if comm is not None:
         notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
                      f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
+    if offload is not None:
+        notes.append(f"activation offload: {offload.bytes_per_micro / 1e6:.1f} MB each way per micro-batch at "
+                     f"{offload.link_bytes_per_s / 1e9:.1f} GB/s, {offload.total_s * 1e3:.2f} ms per step, "
+                     f"{offload.exposed_s * 1e3:.2f} ms of it not hidden by compute")
     return Price(seconds, {"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed}, tuple(notes))
 
 
