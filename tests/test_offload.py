@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -19,6 +20,8 @@ from estimators.runtime._build import build_for_training
 from estimators.runtime._offload import MIN_OFFLOAD_BYTES, simulated_transfers
 from estimators.runtime._options import StepOptions
 from estimators.runtime._planned import PlannedSteps
+from estimators.memory._replay import replay_sizes
+from estimators.tracing._recorder import Category
 from estimators.timing._offload_time import LINK_EFFICIENCY, host_link_bytes_per_s
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -101,6 +104,10 @@ def test_a_cuda_target_moves_the_saved_activations_to_host_memory() -> None:
     # brings them back one node at a time).
     assert plain.peak_allocated_bytes - off.peak_allocated_bytes >= 0.8 * saved, (plain.breakdown, off.breakdown)
     assert off.breakdown["offloaded"] == 0  # host copies count nothing on the device
+    prepared, _ = estimator._events(config.replace(offload_activations=True), exact=True)
+    host = prepared.alloc_category == int(Category.OFFLOADED)
+    assert prepared.alloc_bytes[host].sum() >= saved and set(np.flatnonzero(host)) <= set(prepared.host_allocs)
+    assert not replay_sizes(prepared, "cuda")[host].any()
     assert off.peak_allocated_bytes < plain.peak_allocated_bytes - plain.breakdown["activations"] // 2
 
 
