@@ -84,6 +84,12 @@ class TrainConfig:
     the optimizer's state live in (pinned) host memory; each unit's parameters are copied to
     the device for its forward and backward, gradients copied back, and the optimizer steps
     on the CPU. Needs ``strategy='fsdp'`` (``world_size=1`` offloads a single device)."""
+    offload_activations: bool = False
+    """Keep the tensors autograd saves for backward in host memory between forward and backward
+    (torchtune's ``OffloadActivations``; see ``runtime._activation_offload``): on a GPU the saved
+    activations leave device memory, at the price of copies over the host link each way. Any
+    strategy and precision; with checkpointing, the checkpointed blocks' inputs are offloaded.
+    On a CPU device nothing moves (host memory is the device's)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes"):
@@ -117,6 +123,8 @@ class TrainConfig:
             raise ConfigError(
                 f"cpu_offload is FSDP2's offload policy, but the strategy is {self.strategy!r}; use "
                 "strategy='fsdp' (world_size=1 offloads a single device) or cpu_offload=False")
+        if not isinstance(self.offload_activations, bool):
+            raise ConfigError(f"offload_activations must be True or False, got {self.offload_activations!r}")
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
@@ -141,6 +149,8 @@ class TrainConfig:
             del d["optimizer_in_backward"]  # likewise
         if not self.cpu_offload:
             del d["cpu_offload"]  # likewise
+        if not self.offload_activations:
+            del d["offload_activations"]  # likewise
         return d
 
     @classmethod
@@ -168,6 +178,8 @@ class TrainConfig:
             parts.append("optimizer in backward")
         if self.cpu_offload:
             parts.append("CPU offload")
+        if self.offload_activations:
+            parts.append("activations offloaded")
         return ", ".join(parts)
 
 

@@ -90,8 +90,9 @@ class Estimate:
     stored prediction (a resumed study's) can be recalibrated, and can calibrate, without its
     trace. None for measurements."""
     host_bytes: int = 0
-    """Host memory the step holds beside the device's (CPU offload's parameters, gradients
-    and optimizer state; the RNG states checkpointing saves); 0 on cpu, where all is one memory."""
+    """Host memory the step holds beside the device's on cuda, outside ``peak_bytes``: CPU
+    offload's parameters, gradients and optimizer state, offloaded activations, the RNG states
+    checkpointing saves; 0 on cpu, where all is one memory."""
 
     @property
     def peak_bytes(self) -> int:

@@ -69,9 +69,16 @@ class BatchScaling:
         with self._lock:
             few = {key for key, batches in sizes.items()
                    if len({b for b in batches if b >= self._anchors[0]}) <= 2}
+            few |= {self.traces.shape_key(c) for c in configs if self._unscalable(c)}
             self._exact_shapes = {key for key in few if not self._derivable(key, sizes, few)}
             if prefetch and self.traces.can_prefetch():
                 self.traces.prefetch(*self._planned_traces(configs, sizes, few))
+
+    def _unscalable(self, config: TrainConfig) -> bool:
+        # Offloading to a GPU's host skips saved tensors under MIN_OFFLOAD_BYTES, a line that
+        # per-sample-small tensors (a norm's statistics, a loss over few classes) cross between
+        # the small anchors and the planned batch: such traces differ in structure, not size.
+        return config.offload_activations and self.traces.device == "cuda"
 
     @staticmethod
     def _derivable(key: tuple[Any, ...], sizes: Mapping[tuple[Any, ...], set[int]], few: set[tuple[Any, ...]]) -> bool:
@@ -130,7 +137,7 @@ class BatchScaling:
         b = config.micro_batch_size
         # Below the smallest anchor the fit would extrapolate into sizes where kernels pick
         # other algorithms (oneDNN at batch 1): trace such batches themselves.
-        if b < self._anchors[0] or self.traces.shape_key(config) in self._exact_shapes:
+        if b < self._anchors[0] or self.traces.shape_key(config) in self._exact_shapes or self._unscalable(config):
             return None
         scaling = self._scaling_for(config)
         if scaling is None:

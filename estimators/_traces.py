@@ -66,7 +66,8 @@ class TraceSource(Prefetching):
         planned = self.task.planned(config.micro_batch_size)
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
                 config.strategy, config.world_size, planned.key() if planned is not None else None,
-                config.checkpoint_policy, config.optimizer_in_backward, config.cpu_offload)
+                config.checkpoint_policy, config.optimizer_in_backward, config.cpu_offload,
+                config.offload_activations)
 
     def known(self, config: TrainConfig) -> Prepared | None:
         """The prepared trace of ``config`` at its own micro-batch size, if one was made."""

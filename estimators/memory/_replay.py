@@ -28,8 +28,8 @@ class MemoryPeak:
     breakdown: dict[str, int]
     phase: str
     host: int = 0
-    """Peak bytes of the allocations that live in host memory while the device trains (CPU
-    offload's states, the RNG states checkpointing saves); 0 on cpu, where all is one memory."""
+    """On cuda: the peak of the allocations in host memory (CPU offload's states, offloaded
+    activations, RNG states); 0 on cpu, where all is one memory."""
 
 
 def replay(p: Prepared, device: str) -> MemoryPeak:
@@ -44,17 +44,16 @@ def replay(p: Prepared, device: str) -> MemoryPeak:
     breakdown = {Category(i).label: int(round(v)) for i, v in enumerate(by_cat)}
     reserved = _simulate_reserved(sizes, p.event_alloc, p.event_sign) if device == "cuda" else None
     phase = p.phase_labels[int(p.event_phase[peak_index])] if len(running) else "setup"
-    return MemoryPeak(peak_allocated, reserved, breakdown, phase, _host_peak(p) if device == "cuda" else 0)
+    host = _host_peak(p) if device == "cuda" else 0  # on cpu the host is the device: counted above
+    return MemoryPeak(peak_allocated, reserved, breakdown, phase, host)
 
 
 def _host_peak(p: Prepared) -> int:
-    if not len(p.host_allocs):
+    on_host = np.isin(p.event_alloc, p.host_allocs)
+    if not on_host.any():
         return 0
-    on_host = np.zeros(len(p.alloc_bytes), dtype=np.int64)
-    on_host[p.host_allocs] = p.alloc_bytes[p.host_allocs]
-    running = np.cumsum(on_host[p.event_alloc] * p.event_sign.astype(np.int64))
-    # What was alive before the first event (none is: the sharded states are tracked as born).
-    return int(running.max()) if len(running) else 0
+    signed = p.alloc_bytes[p.event_alloc[on_host]] * p.event_sign[on_host].astype(np.int64)
+    return int(np.cumsum(signed).max(initial=0))
 
 
 def replay_sizes(p: Prepared, device: str) -> np.ndarray:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from .._config import TrainConfig
 from .._task import default_logits_and_targets
-from . import _parallel, _precision
+from . import _activation_offload, _parallel, _precision
 from ._clip import clip_gradients
 from ._ema import EMA
 from ._optim_bwd import OptimizerInBackward, check_compatible
@@ -68,6 +68,14 @@ class StepHooks:
     def held(self, tensors: Sequence[torch.Tensor], kind: str) -> None:
         """Tensors made at setup that live through every step (``kind``: ``ema``)."""
 
+    def copying(self, on: bool) -> None:
+        """An offloaded activation is being copied between host and device memory (a trace for a
+        CUDA target, :mod:`._activation_offload`): a transfer, not one of the step's kernels."""
+
+    def offloaded(self, tensor: torch.Tensor, where: str) -> None:
+        """An offloaded activation's copy: ``where`` is ``host`` (made in forward) or ``device``
+        (brought back in backward)."""
+
 
 @dataclass
 class StepParts:
@@ -86,6 +94,8 @@ class StepParts:
     precision: str
     device: torch.device
     options: StepOptions
+    offload_activations: bool = False
+    """Saved activations wait in host memory between forward and backward (:mod:`._activation_offload`)."""
 
 
 @dataclass
@@ -116,7 +126,7 @@ def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: n
     return StepParts(model=model, forward_model=forward_model if forward_model is not None else wrapped,
                      wrapped=wrapped, optimizer=optimizer, scaler=scaler, ema=ema,
                      loss_fn=training_loss(task, options.label_smoothing), precision=config.precision,
-                     device=device, options=options)
+                     device=device, options=options, offload_activations=config.offload_activations)
 
 
 def make_optimizer(task: Any, config: TrainConfig, model: nn.Module, options: StepOptions, *,
@@ -214,7 +224,8 @@ def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Seque
         # DDP reduces gradients across ranks in the last micro-batch's backward only; FSDP2
         # reduce-scatters every micro-batch (its gradients stay sharded); _parallel decides.
         with _parallel.gradient_sync(parts.wrapped, k == last):
-            with _precision.forward_context(parts.precision, parts.device.type):
+            with _precision.forward_context(parts.precision, parts.device.type), \
+                    _activation_offload.offloading(parts.offload_activations, parts.device, hooks, parts.model, batch):
                 # Also by 1.0: every step runs the same ops whatever its accumulation, so that
                 # a step of one micro-batch is the first micro-batch of an accumulating one.
                 loss = parts.loss_fn(parts.forward_model, batch) * weight

@@ -20,7 +20,8 @@ from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
 from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._calibration import TimeCalibration
-from ._offload import offload_time
+from ._cpu_offload_time import cpu_offload_time
+from ._activation_offload_time import activation_offload_time
 from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
@@ -67,15 +68,18 @@ def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: Tim
     if config.cpu_offload and spec is not None:
         # The optimizer steps on the CPU: its ops leave the card's roofline for the host's.
         on_host = _phase_mask(p, costs, "step 2 optimizer")
-        offload = offload_time(config, facts, spec, forward_s=_pass_time(p, "forward", rates),
-                               backward_s=_pass_time(p, "backward", rates),
-                               optimizer_bytes=int(costs.bytes_moved[on_host].sum()))
+        offload = cpu_offload_time(config, facts, spec, forward_s=_pass_time(p, "forward", rates),
+                                   backward_s=_pass_time(p, "backward", rates),
+                                   optimizer_bytes=int(costs.bytes_moved[on_host].sum()))
         costs = _subset(costs, ~on_host)
     parts = step_time_parts(costs, p.phase_labels, config.grad_accum_steps, rates)
     comm = _comm_time(config, p, facts, spec, rates)
     # Added after calibration: probes run on one device and measure no communication (nor
     # host traffic, as they run without offload's copies on CPU).
     fixed = (comm.exposed_s if comm is not None else 0.0) + (offload.added_s if offload is not None else 0.0)
+    activations = activation_offload_time(p, config.grad_accum_steps, rates, spec)
+    if activations is not None:  # offloaded activations: the host link's copies compute does not hide
+        fixed += activations.exposed_s
     seconds, calibrated = step_seconds(parts, fixed, calibration)
     notes = [calibrated] if calibrated is not None else []
     if comm is not None:
@@ -83,6 +87,10 @@ def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: Tim
                      f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
     if offload is not None:
         notes.append(offload.note())
+    if activations is not None:
+        notes.append(f"activation offload: {activations.bytes_per_micro / 1e6:.1f} MB each way per micro-batch at "
+                     f"{activations.link_bytes_per_s / 1e9:.1f} GB/s, {activations.total_s * 1e3:.2f} ms per step, "
+                     f"{activations.exposed_s * 1e3:.2f} ms of it not hidden by compute")
     return Price(seconds, {"overhead": parts.overhead_s, **parts.work_s, "fixed": fixed}, tuple(notes))
 
 

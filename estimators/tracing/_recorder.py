@@ -38,12 +38,14 @@ class Category(enum.IntEnum):
     TEMPORARIES = 6
     WORKSPACE = 7
     EMA = 8
+    OFFLOADED = 9
+    """Host copies of offloaded activations (``TrainConfig.offload_activations``): host memory."""
 
     @property
     def label(self) -> str:
         return {
             0: "params", 1: "buffers", 2: "batch", 3: "activations", 4: "gradients",
-            5: "optimizer", 6: "temporaries", 7: "workspace", 8: "ema",
+            5: "optimizer", 6: "temporaries", 7: "workspace", 8: "ema", 9: "offloaded",
         }[int(self)]
 
 
@@ -333,3 +335,16 @@ class RecordingHooks(StepHooks):
             index = self.rec.track(t, Category.EMA)
             if index is not None:
                 self.rec.alloc_category[index] = int(Category.EMA)
+
+    def copying(self, on: bool) -> None:
+        self.rec.quiet = on  # a transfer over the host link, priced apart from the kernels
+
+    def offloaded(self, tensor: torch.Tensor, where: str) -> None:
+        index = self.rec.index_of(tensor)
+        if index is None:
+            return
+        if where == "host":
+            self.rec.alloc_category[index] = int(Category.OFFLOADED)
+            self.rec.host.append(index)
+        else:  # brought back for backward: an activation again, on the device
+            self.rec.alloc_category[index] = int(Category.ACTIVATIONS)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..memory import _distributed
-from ..runtime import _precision
+from ..runtime import _activation_offload, _precision
 from ..runtime._build import BuiltModel, build_for_training
 from ..runtime._planned import PlannedSteps
 from ..runtime._options import StepOptions
@@ -203,6 +203,8 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                     stack.enter_context(_cpu_offload.device_copies())
                 semantics = stack.enter_context(
                     _precision.trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
+                if cuda:  # offloaded activations go to host memory and back, as on the card
+                    stack.enter_context(_activation_offload.simulated_transfers())
                 run_steps(task, config, built, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
                           foreach=foreach, batch_offset=batch_offset, options=options)
         if config.cpu_offload and cuda:

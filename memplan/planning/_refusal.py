@@ -131,6 +131,8 @@ def techniques_used(config: TrainConfig, *, states_only: bool = False) -> str:
         used.append(f"{config.checkpoint_policy} checkpointing")
     if config.optimizer_in_backward:
         used.append("the optimizer step in backward")
+    if config.offload_activations and not states_only:
+        used.append("activation offloading")
     if config.cpu_offload:
         used.append("CPU offload" + (f" over {config.world_size} FSDP2 ranks" if config.world_size > 1 else ""))
     elif config.strategy == "fsdp" and not states_only:  # a refusal of states says "per device" itself

@@ -11,7 +11,7 @@ from estimators import (
     ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
 )
 
-__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "CPU_OFFLOAD", "CpuOffload", "OPTIMIZER_IN_BACKWARD", "optimizer_in_backward_excluded", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
+__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "CPU_OFFLOAD", "CpuOffload", "ACTIVATION_OFFLOAD", "OPTIMIZER_IN_BACKWARD", "optimizer_in_backward_excluded", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -61,6 +61,8 @@ class CpuOffload(Technique):
 
 NO_TECHNIQUE = Technique("none", ())
 CPU_OFFLOAD = CpuOffload("cpu-offload", (("cpu_offload", True),))
+ACTIVATION_OFFLOAD = Technique("activation-offload", (("offload_activations", True),))
+"""Saved activations in host memory between forward and backward (any layout)."""
 
 
 @dataclass(frozen=True)
@@ -325,8 +327,8 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
     when nothing fits without them: pure bf16 (``bf16-true``: weights, gradients and optimizer
     state in bf16) where the device has bf16 and the precisions were not pinned, selective
     checkpointing, the optimizer step in backward (one device, no accumulation, unless the
-    step clips by the global norm), and on a GPU FSDP2's CPU offload (one rank, or every
-    FSDP2 layout's). None when there is nothing to add."""
+    step clips by the global norm), and on a GPU activation offloading and FSDP2's CPU offload
+    (one rank, or every FSDP2 layout's). None when there is nothing to add."""
     from dataclasses import replace
 
     precisions = space.precisions
@@ -337,10 +339,12 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
     if OPTIMIZER_IN_BACKWARD not in space.techniques and optimizer_in_backward_excluded(estimator.task) is None \
             and any(layout.strategy == "single" for layout in space.layouts):
         techniques = (*techniques, OPTIMIZER_IN_BACKWARD)
-    if estimator.device == "cuda" and CPU_OFFLOAD not in space.techniques \
-            and any(layout.strategy != "ddp" for layout in space.layouts):
+    if estimator.device == "cuda":
         # Host memory is the device's on a CPU target: offloading there saves nothing.
-        techniques = (*techniques, CPU_OFFLOAD)
+        if ACTIVATION_OFFLOAD not in space.techniques:
+            techniques = (*techniques, ACTIVATION_OFFLOAD)
+        if CPU_OFFLOAD not in space.techniques and any(layout.strategy != "ddp" for layout in space.layouts):
+            techniques = (*techniques, CPU_OFFLOAD)
     if precisions == space.precisions and not techniques:
         return None
     return replace(space, precisions=precisions, techniques=(*space.techniques, *techniques))

@@ -117,7 +117,8 @@ class _Step:
     def _step_parts(self, config: TrainConfig) -> StepParts:
         return StepParts(model=self.model, forward_model=self.forward_model, wrapped=self._wrapped,
                          optimizer=self.optimizer, scaler=self.scaler, ema=self.ema, loss_fn=self._loss_fn,
-                         precision=config.precision, device=self.device, options=self.options.step_options())
+                         precision=config.precision, device=self.device, options=self.options.step_options(),
+                         offload_activations=config.offload_activations)
 
     def _run_window(self, window: _Window, batches: Iterator[Batch], config: TrainConfig) -> _WindowOutcome:
         """Every micro-batch of ``window``, then one optimizer step (:func:`estimators.train_step`).

@@ -9,10 +9,8 @@ steps on the CPU, over host memory.
 * Copies overlap compute: FSDP2 issues a unit's copy and gather on their own stream while
   the previous unit computes, so a pass costs the larger of its compute and its copies.
   Host-to-device and device-to-host use the two directions of the link at once.
-* The link: PCIe x16 of the card's generation (``GPUSpec.interconnect_bytes_per_s`` when that
-  is a PCIe link, else by compute capability: Volta Gen3, Ampere/Ada Gen4, Hopper on Gen5),
-  at :data:`PCIE_EFFICIENCY` of its peak: pinned ``cudaMemcpyAsync`` reaches ~25 GB/s of
-  Gen4's 32.
+* The link: the card's PCIe link to the host at the rate pinned copies reach
+  (``_activation_offload_time.host_link_bytes_per_s``, which activation offloading uses too).
 * The CPU's work is memory-bound: the bytes the trace's optimizer-phase ops move (and the
   gradient additions) over :data:`HOST_BANDWIDTH`, an assumption about the host (not
   measured: a plan for a card that is not here cannot know its host), said in the estimate's
@@ -28,29 +26,16 @@ from .._config import TrainConfig
 from .._facts import ModelFacts
 from .._gpus import GPUSpec
 from ..runtime._precision import weight_dtype
+from ._activation_offload_time import host_link_bytes_per_s
 
-__all__ = ["HOST_BANDWIDTH", "PCIE_EFFICIENCY", "OffloadTime", "host_link", "offload_time"]
+__all__ = ["HOST_BANDWIDTH", "CpuOffloadTime", "cpu_offload_time"]
 
 HOST_BANDWIDTH = 25e9
 """Bytes per second the host's memory moves for the CPU optimizer step (an assumption)."""
-PCIE_EFFICIENCY = 0.8
-"""Share of a PCIe link's peak that pinned host<->device copies reach."""
-
-_GEN3, _GEN4, _GEN5 = 16e9, 32e9, 64e9
-
-
-def host_link(spec: GPUSpec | None) -> float:
-    """Peak one-direction bytes per second between host memory and the card."""
-    if spec is None:
-        return _GEN4
-    if spec.interconnect_bytes_per_s in (_GEN3, _GEN4, _GEN5):
-        return spec.interconnect_bytes_per_s
-    major = spec.compute_capability[0]
-    return _GEN5 if major >= 9 else _GEN4 if major == 8 else _GEN3
 
 
 @dataclass(frozen=True)
-class OffloadTime:
+class CpuOffloadTime:
     copy_s: float
     """PCIe seconds per optimizer step (both directions, summed)."""
     exposed_copy_s: float
@@ -68,8 +53,8 @@ class OffloadTime:
                 f"CPU (optimizer step; host memory assumed to move {HOST_BANDWIDTH / 1e9:.0f} GB/s)")
 
 
-def offload_time(config: TrainConfig, facts: ModelFacts, spec: GPUSpec | None, *, forward_s: float,
-                 backward_s: float, optimizer_bytes: int) -> OffloadTime:
+def cpu_offload_time(config: TrainConfig, facts: ModelFacts, spec: GPUSpec, *, forward_s: float,
+                     backward_s: float, optimizer_bytes: int) -> CpuOffloadTime:
     """What offload adds to one optimizer step of ``config``; ``forward_s``/``backward_s``: one
     micro-batch's compute; ``optimizer_bytes``: the bytes the optimizer phase's ops move."""
     w = config.world_size
@@ -77,7 +62,7 @@ def offload_time(config: TrainConfig, facts: ModelFacts, spec: GPUSpec | None, *
     stored = 2 if low else 4  # the shards' dtype: the model's (fp32 under mixed precision)
     reduced = 2 if low else 4  # gradients reach the host in the reduce dtype (fp32 when mixed)
     blocks = sum(facts.units.block_numels)
-    link = host_link(spec) * PCIE_EFFICIENCY
+    link = host_link_bytes_per_s(spec)
     to_device_fwd = (blocks + facts.units.root_numel) * stored / w / link
     to_device_bwd = blocks * stored / w / link
     to_host = facts.trainable * reduced / w / link
@@ -87,4 +72,4 @@ def offload_time(config: TrainConfig, facts: ModelFacts, spec: GPUSpec | None, *
     # Later micro-batches' gradients are added to the host's: read both, write one.
     accumulate = (micro - 1) * 3 * facts.trainable * reduced / w
     host = (optimizer_bytes + accumulate) / HOST_BANDWIDTH
-    return OffloadTime(copies * micro, exposed * micro, host)
+    return CpuOffloadTime(copies * micro, exposed * micro, host)
