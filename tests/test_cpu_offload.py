@@ -280,3 +280,16 @@ def test_search_offloads_activations_when_only_that_fits() -> None:
     plan = search(task, gpu="RTX-4090", vram=int(room / 0.9), global_batch=4096, micro_batch_sizes=[4096],
                   checkpoint_segments=[0], trials=20, probe_top=0, precisions=["fp32"])
     assert plan.config.offload_activations and any("activation-offload" in n for n in plan.notes)
+
+
+def test_a_probe_that_measured_the_offload_time_refits_only_the_rest(lm: Task) -> None:
+    # A measured step includes what is priced apart (the copies, the CPU's optimizer step): a
+    # probe that measured exactly the prediction leaves the prediction where it was.
+    estimator = Estimator(lm, gpu="RTX-4090")
+    before = estimator.estimate(OFFLOAD)
+    assert before.time_parts is not None and before.time_parts["fixed"] > 0
+    estimator.calibrate(OFFLOAD, before.step_time_s, predicted=before)
+    assert estimator.estimate(OFFLOAD).step_time_s == pytest.approx(before.step_time_s, rel=1e-6)
+    fresh = Estimator(lm, gpu="RTX-4090")
+    fresh.calibrate(OFFLOAD, before.step_time_s)  # without the prediction: priced again
+    assert fresh.estimate(OFFLOAD).step_time_s == pytest.approx(before.step_time_s, rel=1e-6)
