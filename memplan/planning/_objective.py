@@ -139,13 +139,13 @@ class Objective:
 
 
 def _same_but_batch_and_segments(a: TrainConfig, b: TrainConfig) -> bool:
-    # Accumulation counts only as one or more (more holds the gradients while the next
-    # micro-batch runs); under a fixed global batch it follows the micro-batch otherwise.
-    return a.replace(micro_batch_size=1, checkpoint_segments=0, grad_accum_steps=min(a.grad_accum_steps, 2),
-                     checkpoint_policy="full") == \
-        b.replace(micro_batch_size=1, checkpoint_segments=0, grad_accum_steps=min(b.grad_accum_steps, 2),
-                  checkpoint_policy="full") and (a.checkpoint_policy == b.checkpoint_policy or
-                                                 not (a.checkpoint_segments or b.checkpoint_segments))
+    def rest(c: TrainConfig) -> TrainConfig:
+        # Accumulation counts only as one or more (more holds the gradients while the next
+        # micro-batch runs); under a fixed global batch it follows the micro-batch otherwise.
+        return c.replace(micro_batch_size=1, checkpoint_segments=0, checkpoint_policy="full",
+                         grad_accum_steps=min(c.grad_accum_steps, 2))
+
+    return a.checkpoint_policy == b.checkpoint_policy and rest(a) == rest(b)
 
 
 def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exhaustive: bool,
