@@ -213,21 +213,28 @@ class FsdpUnits:
 
     root_numel: int
     block_numels: tuple[int, ...]
+    root_trainable: int = 0
+    """Elements of the root's parameters that require gradients."""
+    block_trainables: tuple[int, ...] = ()
+    """The same per block."""
 
 
 def fsdp_units(model: nn.Module, finder: BlockFinder | None = None) -> FsdpUnits:
     blocks = find_block_stack(model, finder)
     in_blocks: set[int] = set()
-    numels = []
+    numels, trainables = [], []
     for block in blocks:
-        n = 0
+        n = t = 0
         for p in block.parameters():
             if id(p) not in in_blocks:
                 in_blocks.add(id(p))
                 n += p.numel()
+                t += p.numel() if p.requires_grad else 0
         numels.append(n)
-    root = sum(p.numel() for p in dict.fromkeys(model.parameters()) if id(p) not in in_blocks)
-    return FsdpUnits(root, tuple(numels))
+        trainables.append(t)
+    root = [p for p in dict.fromkeys(model.parameters()) if id(p) not in in_blocks]
+    return FsdpUnits(sum(p.numel() for p in root), tuple(numels),
+                     sum(p.numel() for p in root if p.requires_grad), tuple(trainables))
 
 
 def ddp_bucket_bytes(model: nn.Module, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> list[int]:

@@ -39,8 +39,11 @@ class StateFloor:
     """The same for the trainable parameters (their gradients)."""
     optimizer: int
     """The optimizer's state as built (0 when it cannot step on meta)."""
-    gathered: tuple[int, int]
-    """Elements of the root unit plus the largest block (what offload gathers on the device)."""
+    gathered: int
+    """Under offload, what the device holds in any case, in elements: the root unit (gathered
+    from forward to the end of backward, FSDP2 does not reshard it) with its unsharded
+    gradients (alive from the head's backward to the root's reduce-scatter, at the end), and
+    the largest block gathered with its gradients during its backward."""
 
     def _states(self, config: TrainConfig) -> int:
         low = int(weight_dtype(config.precision) is not None)
@@ -51,7 +54,8 @@ class StateFloor:
 
     def device(self, config: TrainConfig) -> int:
         if config.cpu_offload:
-            return sum(self.gathered) * (4 if config.precision == "fp32" else 2)
+            # Gathered in the compute dtype; autograd's gradients come in the same dtype.
+            return self.gathered * (4 if config.precision == "fp32" else 2)
         return self._states(config)
 
     def host(self, config: TrainConfig) -> int:
@@ -73,7 +77,8 @@ def state_floor(task: Task, model: nn.Module) -> StateFloor:
     units = fsdp_units(model, task.checkpoint_blocks)
     return StateFloor(params=sum(p.numel() for p in distinct), weights=(weights[0], weights[1]),
                       grads=(grads[0], grads[1]), optimizer=_optimizer_state_bytes(task, model),
-                      gathered=(units.root_numel, max(units.block_numels, default=0)))
+                      gathered=units.root_numel + units.root_trainable
+                      + max((n + t for n, t in zip(units.block_numels, units.block_trainables)), default=0))
 
 
 def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, int]:
