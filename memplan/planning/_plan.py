@@ -86,6 +86,12 @@ class PlanEntry:
         )
 
 
+def _optional_bool(value: Any, name: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ConfigError(f"{name} must be true, false or null, got {value!r}; re-create the plan with memplan plan --out")
+
+
 def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None) -> dict[str, Any]:
     return {
         "memplan": __version__,
@@ -116,6 +122,10 @@ class Plan:
     failures: Mapping[TrainConfig, str] = field(default_factory=dict)
     """Configurations that could not be traced or run, each with its reason (infeasible
     trials); ``notes`` sums them up in one line."""
+    compile: bool | None = None
+    """torch.compile, measured by probes: True when the compiled step was faster and fits (the
+    first entry's figures are then the compiled step's, and ``fit`` trains compiled), False when
+    it was measured not to be, None when not evaluated (no device to probe; see the notes)."""
 
     def __post_init__(self) -> None:
         if not self.entries:
@@ -182,6 +192,7 @@ class Plan:
             "provenance": dict(self.provenance),
             "notes": list(self.notes),
             "failures": [{"config": c.to_dict(), "reason": r} for c, r in self.failures.items()],
+            "compile": self.compile,
             "entries": [e.to_dict() for e in self.entries],
         }
 
@@ -200,6 +211,7 @@ class Plan:
             provenance=dict(data.get("provenance", {})),
             notes=tuple(data.get("notes", ())),
             failures={TrainConfig.from_dict(f["config"]): str(f["reason"]) for f in data.get("failures", ())},
+            compile=_optional_bool(data.get("compile"), "compile"),  # absent from older plan files
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -251,4 +263,11 @@ class Plan:
             headers=["#", "micro", "accum", "precision", "ckpt", "strategy", "peak", "samples/s", "source"],
             tablefmt="simple",
         )
-        return "\n".join([head, table, *(f"note: {n}" for n in self.notes)])
+        return "\n".join([head, table, *self._compile_line(), *(f"note: {n}" for n in self.notes)])
+
+    def _compile_line(self) -> list[str]:
+        """The table's line on torch.compile (the figures are in the notes)."""
+        if self.compile is None:
+            return []
+        return ["torch.compile: on (measured faster; #1's figures are the compiled step's, fit trains compiled)"
+                if self.compile else "torch.compile: off (measured, not faster within the budget)"]
