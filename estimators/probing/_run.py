@@ -90,13 +90,18 @@ def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmu
         if dev.index is not None:
             torch.cuda.set_device(dev)
         torch.cuda.empty_cache()
-    built = build_for_training(task, config, dev, compile=task.step.compile)
+    guard = MemoryGuard(budget_bytes, device=dev.type) if budget_bytes is not None else None
+    # On the CPU the model is built under the guard, as the trainer builds it: a compiled
+    # forward of a model built outside the guard's dispatch mode and run under it failed its
+    # backward (a BatchNorm buffer "modified by an inplace operation", torch 2.13), while the
+    # same model built under the mode trains.
+    with guard if (guard is not None and not cuda) else contextlib.nullcontext():
+        built = build_for_training(task, config, dev, compile=task.step.compile)
     model = built.model
     facts = _model_facts(model)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])
     run = PlannedSteps(task, config, built, device=dev)
     task.batch_template()  # the dataset is built outside the measured steps
-    guard = MemoryGuard(budget_bytes, device=dev.type) if budget_bytes is not None else None
     if guard is not None:
         guard.track(model)
     t_steps = time.monotonic()
