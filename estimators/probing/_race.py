@@ -112,7 +112,7 @@ def check_race_args(configs: Sequence[TrainConfig], rounds: int, warmup: int,
 
 def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig], *, device: str = "cpu",
          rounds: int = 8, warmup: int = 2, timeout_s: float = 120,
-         compiled: tuple[bool, bool] | None = None) -> RaceResult:
+         compiled: tuple[bool, bool] | None = None, guard_bytes: int | None = None) -> RaceResult:
     """Time ``configs[0]`` against ``configs[1]``, step against step, in one child process.
 
     Args:
@@ -124,6 +124,9 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
         timeout_s: Wall-clock limit of the whole race, process start included.
         compiled: Whether each side's forward runs through ``torch.compile`` (default: as the
             task's ``step.compile``); one configuration eager against itself compiled is a race.
+        guard_bytes: On cpu, build and step both under one
+            :class:`~estimators.runtime._guard.MemoryGuard` of this budget, as the CPU trainer
+            runs: its dispatch mode changes what ``torch.compile`` captures (nearly nothing).
 
     Returns:
         A :class:`RaceResult`; what happens in the child never raises here.
@@ -131,7 +134,7 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
     pair = check_race_args(configs, rounds, warmup, timeout_s, compiled)
     prober = Prober(task_ref, device=device)
     request = prober.request(kind="race", configs=[c.to_dict() for c in pair], rounds=rounds, warmup=warmup,
-                             compiled=list(compiled) if compiled is not None else None)
+                             compiled=list(compiled) if compiled is not None else None, guard_bytes=guard_bytes)
     names = [c.describe() + (" compiled" if compiled and compiled[i] else "") for i, c in enumerate(pair)]
     what = f"{names[0]} against {names[1]}"
     status, message, reply, wall = prober.exchange(request, timeout_s, what)
@@ -145,12 +148,27 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
 def serve_race(task: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """The probe server's handler of a race request."""
     return run_race(task, [TrainConfig.from_dict(c) for c in msg["configs"]], device=msg["device"],
-                    rounds=msg["rounds"], warmup=msg["warmup"], compiled=msg.get("compiled"))
+                    rounds=msg["rounds"], warmup=msg["warmup"], compiled=msg.get("compiled"),
+                    guard_bytes=msg.get("guard_bytes"))
 
 
 def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int,
-             compiled: Sequence[bool] | None = None) -> dict[str, Any]:
+             compiled: Sequence[bool] | None = None, guard_bytes: int | None = None) -> dict[str, Any]:
     """In the probe child: build both configurations, warm them up, time the rounds."""
+    import contextlib
+
+    import torch
+
+    from ..runtime._guard import MemoryGuard
+
+    guarded = guard_bytes is not None and torch.device(device).type == "cpu"
+    task.batch_template()  # the dataset is built outside the guard, as the trainer builds it
+    with MemoryGuard(guard_bytes) if guarded else contextlib.nullcontext():
+        return _race_steps(task, configs, device=device, rounds=rounds, warmup=warmup, compiled=compiled)
+
+
+def _race_steps(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int,
+                compiled: Sequence[bool] | None) -> dict[str, Any]:
     import torch
 
     from ..runtime._build import build_for_training
