@@ -59,6 +59,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
     p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
     p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
+    p.add_argument("--compile-top", default="1", help="best configurations to probe compiled with torch.compile (default 1; 0 = none)")
     p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
     add_shape_policy(p)
@@ -118,6 +119,7 @@ def search_kwargs(args: argparse.Namespace) -> dict:
         global_batch=parse_count(args.global_batch, what="--global-batch") if args.global_batch else None,
         trials=parse_count(args.trials, what="--trials"),
         probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
+        compile_top=parse_count(args.compile_top, what="--compile-top", minimum=0),
         seed=parse_count(args.seed, what="--seed", minimum=0),
         storage=args.storage, shape_policy=args.shape_policy, host_memory=args.host_memory,
     )

@@ -149,6 +149,13 @@ def _train_options(args: argparse.Namespace, device: str, task):
     )
 
 
+def _compile_said(args: argparse.Namespace, task) -> bool | None:
+    """What the command line, the config file or the model file said of --compile (None: nothing)."""
+    from ._fit import compile_said
+    return compile_said(getattr(args, "option_compile", None), getattr(args, "config_values", None) or {},
+                        dict(task.settings))
+
+
 def _check_device(args: argparse.Namespace, plan) -> None:
     from estimators import ConfigError
     if args.device is not None and args.device != plan.device.split(":")[0]:
@@ -194,15 +201,18 @@ class FitCommand:
         task = resolve_task(args.model)
         options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
         task = task.with_step(options.step_options())  # the step the trainer will run is the one estimated
+        said = _compile_said(args, task)
         plan = resumed_plan(args.out) if args.resume else None
         if plan is None:
-            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **search_kwargs(args),
+            # --no-compile: compiled probes would measure what will not be trained.
+            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(),
+                          **{**search_kwargs(args), **({"compile_top": 0} if said is False else {})},
                           **layout_kwargs(spec))
         else:
             _check_device(args, plan)
             print(f"resuming the plan in {args.out}/plan.json (no search)")
         print(plan.table())
-        result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec)
+        result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec, compile=said)
         _print_result(result)
         return 0
 
@@ -228,6 +238,7 @@ class TrainCommand:
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
         _check_device(args, plan)
-        result = train_plan(task, plan, _with_plan(args, options, task, plan), vram=args.vram, launch=launch_spec(args))
+        result = train_plan(task, plan, _with_plan(args, options, task, plan), vram=args.vram, launch=launch_spec(args),
+                            compile=_compile_said(args, task))
         _print_result(result)
         return 0

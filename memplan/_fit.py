@@ -16,12 +16,25 @@ from estimators import ConfigError, MemoryGuard, Task, parse_size
 from .planning import Plan, resolve_task, search
 from .training import LaunchSpec, TrainOptions, TrainResult, launch_training, train
 
-__all__ = ["fit", "train_plan"]
+__all__ = ["fit", "train_plan", "compile_said"]
+
+
+def compile_said(*levels: Any) -> bool | None:
+    """What the user said of compiling: the first of ``levels`` (flag, config file, model-file
+    settings: a value or a mapping holding ``compile``) that says it; None when none does."""
+    for level in levels:
+        value = level.get("compile") if isinstance(level, dict) else level
+        if value is not None:
+            return bool(value)
+    return None
 
 
 def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str | None = None,
-               launch: LaunchSpec | None = None) -> TrainResult | None:
+               launch: LaunchSpec | None = None, compile: bool | None = None) -> TrainResult | None:
     """Train the plan's chosen configuration under the plan's budget (or ``vram``).
+
+    ``compile``: what the user said of torch.compile (None: nothing): when nothing, a plan whose
+    probes measured the compiled step faster (``plan.compile``) trains compiled.
 
     The budget is enforced while training, on every device: on CUDA with the per-process memory
     fraction, on the CPU with the memory guard, which raises a real ``torch.OutOfMemoryError``.
@@ -33,6 +46,8 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
     plan_path = Path(options.out_dir) / "plan.json"
     plan.save(plan_path)
     options = replace(options, predicted_peak_bytes=plan.best.predicted.peak_bytes)
+    if compile is None and plan.compile and not options.compile:
+        options = replace(options, compile=True)
     config = plan.config
     spec = launch if launch is not None else _plan_launch(plan)
     if config.strategy == "single" and spec.world_size == 1:
@@ -77,6 +92,7 @@ def fit(
     device: str | None = None,
     trials: int = 60,
     probe_top: int = 2,
+    compile_top: int = 1,
     seed: int = 0,
     storage: str | None = None,
     precisions: Sequence[str] | None = None,
@@ -99,7 +115,8 @@ def fit(
     ``loss(model, batch)``, ``optimizer(parameters)`` and ``scheduler(optimizer, total_steps)``. Training options are ``options``
     (a ``TrainOptions``) or its fields as keywords (``epochs=5, ema_decay=0.999``), over the
     model's ``settings``; ``precisions``, ``micro_batch_sizes`` and ``checkpoint_segments``
-    pin or restrict the search's axes.
+    pin or restrict the search's axes. ``compile_top`` of the best are probed compiled (0: none):
+    when torch.compile measures faster the winner trains compiled, unless ``compile`` was given.
 
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
     >>> plan, result = fit(module, train_data=ds, val_data=val, vram="1GB", epochs=5)  # doctest: +SKIP
@@ -114,13 +131,18 @@ def fit(
     opts = options or _options_from(task, option_values)
     task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
     plan = resumed_plan(opts.out_dir) if opts.resume else None
+    # TrainOptions(compile=False) cannot be told from the default: only compile=True is a word said.
+    said = (True if options.compile else None) if options is not None else compile_said(option_values, dict(task.settings))
+    if said is False:
+        compile_top = 0  # compiled probes would measure what will not be trained
     if plan is None:
         plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
-                      probe_top=probe_top, seed=seed, storage=storage, precisions=precisions, shape_policy=shape_policy,
+                      probe_top=probe_top, compile_top=compile_top, seed=seed, storage=storage, precisions=precisions,
+                      shape_policy=shape_policy,
                       micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments,
                       **layout_kwargs(launch))
     opts = replace(opts, device=plan.device, seed=seed)
-    return plan, train_plan(task, plan, opts, launch=launch)
+    return plan, train_plan(task, plan, opts, launch=launch, compile=said)
 
 
 def _options_from(task: Task, values: dict[str, Any]) -> TrainOptions:

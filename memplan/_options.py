@@ -44,6 +44,7 @@ SEARCH_KEYS: dict[str, str] = {
     "global_batch": "fix micro x accumulation x ranks",
     "trials": "configurations to estimate",
     "probe_top": "best configurations to measure with real steps",
+    "compile_top": "best configurations to probe compiled (0: none)",
     "seed": "sampler and training seed",
     "storage": "Optuna storage URL",
     "gpus": "devices per machine to plan for",

@@ -113,6 +113,9 @@ class ProbeResult:
     raised: bool = False
     """Status ``error`` because the configuration's own step (or the task) raised, not because
     the probe's process died, hung or could not start: the configuration cannot run."""
+    first_step_extra_s: float | None = None
+    """The first optimizer step's seconds beyond the second's: what runs once (a compiled
+    forward's compilation, the optimizer state's creation); None when not measured."""
 
     @property
     def ok(self) -> bool:
@@ -126,6 +129,7 @@ class ProbeResult:
             "overhead_s": self.overhead_s,
             "wall_s": self.wall_s,
             "raised": self.raised,
+            "first_step_extra_s": self.first_step_extra_s,
         }
 
     @classmethod
@@ -138,6 +142,7 @@ class ProbeResult:
             overhead_s=float(data.get("overhead_s", 0.0)),
             wall_s=float(data.get("wall_s", 0.0)),
             raised=bool(data.get("raised", False)),
+            first_step_extra_s=data.get("first_step_extra_s"),
         )
 
 
@@ -231,7 +236,8 @@ class Prober:
         steps_s = float(reply.get("steps_s", 0.0)) if reply else 0.0
         return ProbeResult(status=status, estimate=Estimate.from_dict(est) if est else None,
                            message=message, overhead_s=max(0.0, wall - steps_s), wall_s=wall,
-                           raised=bool(reply.get("raised")) if reply and status == "error" else False)
+                           raised=bool(reply.get("raised")) if reply and status == "error" else False,
+                           first_step_extra_s=reply.get("first_step_extra_s") if reply else None)
 
     def request(self, **fields: Any) -> dict[str, Any]:
         import torch

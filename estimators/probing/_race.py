@@ -93,11 +93,13 @@ class RaceResult:
 
 
 def check_race_args(configs: Sequence[TrainConfig], rounds: int, warmup: int,
-                    timeout_s: float) -> tuple[TrainConfig, TrainConfig]:
+                    timeout_s: float, compiled: tuple[bool, bool] | None = None) -> tuple[TrainConfig, TrainConfig]:
     pair = tuple(configs)
     if len(pair) != 2 or not all(isinstance(c, TrainConfig) for c in pair):
         raise ConfigError("a race needs exactly two TrainConfigs")
-    if pair[0] == pair[1]:
+    if compiled is not None and (len(compiled) != 2 or not all(isinstance(c, bool) for c in compiled)):
+        raise ConfigError(f"compiled must be two booleans (one per configuration), got {compiled!r}")
+    if pair[0] == pair[1] and (compiled is None or compiled[0] == compiled[1]):
         raise ConfigError(f"a race needs two different configurations; both are {pair[0].describe()}")
     for c in pair:
         if c.strategy != "single":
@@ -109,7 +111,8 @@ def check_race_args(configs: Sequence[TrainConfig], rounds: int, warmup: int,
 
 
 def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig], *, device: str = "cpu",
-         rounds: int = 8, warmup: int = 2, timeout_s: float = 120) -> RaceResult:
+         rounds: int = 8, warmup: int = 2, timeout_s: float = 120,
+         compiled: tuple[bool, bool] | None = None, guard_bytes: int | None = None) -> RaceResult:
     """Time ``configs[0]`` against ``configs[1]``, step against step, in one child process.
 
     Args:
@@ -119,14 +122,21 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
         rounds: Timed rounds; each times one optimizer step of each configuration.
         warmup: Un-timed optimizer steps of each before the rounds.
         timeout_s: Wall-clock limit of the whole race, process start included.
+        compiled: Whether each side's forward runs through ``torch.compile`` (default: as the
+            task's ``step.compile``); one configuration eager against itself compiled is a race.
+        guard_bytes: On cpu, build and step both under one
+            :class:`~estimators.runtime._guard.MemoryGuard` of this budget, as the CPU trainer
+            runs: its dispatch mode changes what ``torch.compile`` captures (nearly nothing).
 
     Returns:
         A :class:`RaceResult`; what happens in the child never raises here.
     """
-    pair = check_race_args(configs, rounds, warmup, timeout_s)
+    pair = check_race_args(configs, rounds, warmup, timeout_s, compiled)
     prober = Prober(task_ref, device=device)
-    request = prober.request(kind="race", configs=[c.to_dict() for c in pair], rounds=rounds, warmup=warmup)
-    what = f"{pair[0].describe()} against {pair[1].describe()}"
+    request = prober.request(kind="race", configs=[c.to_dict() for c in pair], rounds=rounds, warmup=warmup,
+                             compiled=list(compiled) if compiled is not None else None, guard_bytes=guard_bytes)
+    names = [c.describe() + (" compiled" if compiled and compiled[i] else "") for i, c in enumerate(pair)]
+    what = f"{names[0]} against {names[1]}"
     status, message, reply, wall = prober.exchange(request, timeout_s, what)
     times = tuple(tuple(float(t) for t in ts) for ts in reply.get("step_times", ())) if reply else ()
     return RaceResult(status=status, configs=pair, step_times=times if status == "ok" else (),
@@ -138,11 +148,27 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
 def serve_race(task: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """The probe server's handler of a race request."""
     return run_race(task, [TrainConfig.from_dict(c) for c in msg["configs"]], device=msg["device"],
-                    rounds=msg["rounds"], warmup=msg["warmup"])
+                    rounds=msg["rounds"], warmup=msg["warmup"], compiled=msg.get("compiled"),
+                    guard_bytes=msg.get("guard_bytes"))
 
 
-def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int) -> dict[str, Any]:
+def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int,
+             compiled: Sequence[bool] | None = None, guard_bytes: int | None = None) -> dict[str, Any]:
     """In the probe child: build both configurations, warm them up, time the rounds."""
+    import contextlib
+
+    import torch
+
+    from ..runtime._guard import MemoryGuard
+
+    guarded = guard_bytes is not None and torch.device(device).type == "cpu"
+    task.batch_template()  # the dataset is built outside the guard, as the trainer builds it
+    with MemoryGuard(guard_bytes) if guarded else contextlib.nullcontext():
+        return _race_steps(task, configs, device=device, rounds=rounds, warmup=warmup, compiled=compiled)
+
+
+def _race_steps(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int,
+                compiled: Sequence[bool] | None) -> dict[str, Any]:
     import torch
 
     from ..runtime._build import build_for_training
@@ -153,8 +179,9 @@ def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int
     if cuda and dev.index is not None:
         torch.cuda.set_device(dev)
     task.batch_template()  # the dataset is built outside the timed steps
-    steppers = [PlannedSteps(task, config, build_for_training(task, config, dev, compile=task.step.compile), device=dev)
-                for config in configs]
+    flags = list(compiled) if compiled is not None else [task.step.compile] * len(configs)
+    steppers = [PlannedSteps(task, config, build_for_training(task, config, dev, compile=flag), device=dev)
+                for config, flag in zip(configs, flags)]
     t0 = time.monotonic()
     index = 0
     for _ in range(warmup):

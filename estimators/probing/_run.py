@@ -90,19 +90,24 @@ def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmu
         if dev.index is not None:
             torch.cuda.set_device(dev)
         torch.cuda.empty_cache()
-    built = build_for_training(task, config, dev, compile=task.step.compile)
+    guard = MemoryGuard(budget_bytes, device=dev.type) if budget_bytes is not None else None
+    # On the CPU the model is built under the guard, as the trainer builds it: a compiled
+    # forward of a model built outside the guard's dispatch mode and run under it failed its
+    # backward (a BatchNorm buffer "modified by an inplace operation", torch 2.13), while the
+    # same model built under the mode trains.
+    with guard if (guard is not None and not cuda) else contextlib.nullcontext():
+        built = build_for_training(task, config, dev, compile=task.step.compile)
     model = built.model
     facts = _model_facts(model)
     baseline = storage_bytes([*model.parameters(), *model.buffers()])
     run = PlannedSteps(task, config, built, device=dev)
     task.batch_template()  # the dataset is built outside the measured steps
-    guard = MemoryGuard(budget_bytes, device=dev.type) if budget_bytes is not None else None
     if guard is not None:
         guard.track(model)
     t_steps = time.monotonic()
     whole_run = guard if (guard is not None and cuda) else contextlib.nullcontext()
     with whole_run:
-        peak, reserved, peak_phase = _memory_steps(run, dev, guard)
+        peak, reserved, peak_phase, first_extra = _memory_steps(run, dev, guard)
         if not cuda:
             peak += baseline  # the profile counts what the steps allocate, not the model already there
         optimizer_bytes = storage_bytes(
@@ -119,7 +124,7 @@ def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmu
             from .._units import format_size
             return {
                 "status": "oom", "steps_s": time.monotonic() - t_steps,
-                "estimate": measured(None, ["not timed: over the budget"]).to_dict(),
+                "estimate": measured(None, ["not timed: over the budget"]).to_dict(), "first_step_extra_s": first_extra,
                 "message": f"out of memory: the measured peak {format_size(peak)} (in {peak_phase}) "
                            f"exceeds the budget {format_size(budget_bytes)}; the excess is memory the guard does "
                            "not count (kernel scratch)",
@@ -127,7 +132,8 @@ def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmu
         times = _timed_steps(run, dev, first=MEMORY_STEPS + 1, warmup=warmup, steps=steps)
     estimate = measured(statistics.median(times), [
         f"time: median of {steps} steps after {warmup} warmup steps ({min(times):.4g}-{max(times):.4g} s)"])
-    return {"status": "ok", "estimate": estimate.to_dict(), "message": "", "steps_s": time.monotonic() - t_steps}
+    return {"status": "ok", "estimate": estimate.to_dict(), "message": "", "steps_s": time.monotonic() - t_steps,
+            "first_step_extra_s": first_extra}
 
 
 def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
@@ -142,29 +148,38 @@ def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
             "breakdown": {"params": storage_bytes(model.parameters()), "buffers": storage_bytes(model.buffers())}}
 
 
-def _memory_steps(run: PlannedSteps, dev: torch.device, guard: Any) -> tuple[int, int | None, str]:
+def _memory_steps(run: PlannedSteps, dev: torch.device, guard: Any) -> tuple[int, int | None, str, float]:
     """The first optimizer steps' peak (on CPU: above the model's own bytes), reserved bytes
-    (CUDA) and the phase of the peak."""
+    (CUDA), the phase of the peak, and the first step's seconds beyond the second's (what runs
+    once: a compiled forward's compilation, the optimizer state's creation)."""
+    seconds: list[float] = []
+
+    def timed(i: int, hooks: StepHooks) -> None:
+        start = time.perf_counter()
+        run(i, hooks)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        seconds.append(time.perf_counter() - start)
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         tracker = _CudaPhases(dev)
         for i in range(1, MEMORY_STEPS + 1):
-            run(i, tracker)
-        torch.cuda.synchronize(dev)
+            timed(i, tracker)
         tracker.close()
         return (int(torch.cuda.max_memory_allocated(dev)), int(torch.cuda.max_memory_reserved(dev)),
-                tracker.peak_phase)
+                tracker.peak_phase, max(0.0, seconds[0] - seconds[-1]))
     from ..tracing._profiler import memory_profile
 
     phases = _ProfiledPhases()
     with memory_profile() as prof:
         with guard if guard is not None else contextlib.nullcontext():
             for i in range(1, MEMORY_STEPS + 1):
-                run(i, phases)
+                timed(i, phases)
             phases.close()
     above, peak_phase = _cpu_peak(prof)
-    return above, None, peak_phase
+    return above, None, peak_phase, max(0.0, seconds[0] - seconds[-1])
 
 
 def _timed_steps(run: PlannedSteps, dev: torch.device, *, first: int, warmup: int, steps: int) -> list[float]:

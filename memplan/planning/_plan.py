@@ -86,6 +86,12 @@ class PlanEntry:
         )
 
 
+def _optional_bool(value: Any, name: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ConfigError(f"{name} must be true, false or null, got {value!r}; re-create the plan with memplan plan --out")
+
+
 def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None) -> dict[str, Any]:
     return {
         "memplan": __version__,
@@ -116,6 +122,10 @@ class Plan:
     failures: Mapping[TrainConfig, str] = field(default_factory=dict)
     """Configurations that could not be traced or run, each with its reason (infeasible
     trials); ``notes`` sums them up in one line."""
+    compile: bool | None = None
+    """torch.compile, measured by probes: True when the compiled step was faster and fits (the
+    first entry's figures are then the compiled step's, and ``fit`` trains compiled), False when
+    it was measured not to be, None when not evaluated (no device to probe; see the notes)."""
 
     def __post_init__(self) -> None:
         if not self.entries:
@@ -182,6 +192,7 @@ class Plan:
             "provenance": dict(self.provenance),
             "notes": list(self.notes),
             "failures": [{"config": c.to_dict(), "reason": r} for c, r in self.failures.items()],
+            "compile": self.compile,
             "entries": [e.to_dict() for e in self.entries],
         }
 
@@ -200,6 +211,7 @@ class Plan:
             provenance=dict(data.get("provenance", {})),
             notes=tuple(data.get("notes", ())),
             failures={TrainConfig.from_dict(f["config"]): str(f["reason"]) for f in data.get("failures", ())},
+            compile=_optional_bool(data.get("compile"), "compile"),  # absent from older plan files
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -235,9 +247,10 @@ class Plan:
         for rank, e in enumerate(self.entries[:limit], 1):
             c = e.config
             rows.append([
-                rank, c.micro_batch_size, c.grad_accum_steps, c.precision, c.checkpoint_segments,
+                rank, c.micro_batch_size, c.grad_accum_steps, c.precision,
+                f"{c.checkpoint_segments} selective" if c.checkpoint_policy == "selective" else c.checkpoint_segments,
                 f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
-                format_size(e.peak_bytes), f"{e.samples_per_s:,.1f}",
+                _offloads(e), format_size(e.peak_bytes), f"{e.samples_per_s:,.1f}",
                 e.source,
             ])
         target = self.gpu or self.device
@@ -248,7 +261,26 @@ class Plan:
         )
         table = tabulate(
             rows,
-            headers=["#", "micro", "accum", "precision", "ckpt", "strategy", "peak", "samples/s", "source"],
+            headers=["#", "micro", "accum", "precision", "ckpt", "strategy", "techniques", "peak", "samples/s",
+                     "source"],
             tablefmt="simple",
         )
-        return "\n".join([head, table, *(f"note: {n}" for n in self.notes)])
+        return "\n".join([head, table, *self._compile_line(), *(f"note: {n}" for n in self.notes)])
+
+    def _compile_line(self) -> list[str]:
+        """The table's line on torch.compile (the figures are in the notes)."""
+        if self.compile is None:
+            return []
+        return ["torch.compile: on (measured faster; #1's figures are the compiled step's, fit trains compiled)"
+                if self.compile else "torch.compile: off (measured, not faster within the budget)"]
+
+
+def _offloads(entry: PlanEntry) -> str:
+    """The row's techniques beyond the columns ("-" for none): what it offloads, with the
+    host memory that takes, and the optimizer step in backward."""
+    c = entry.config
+    parts = [name for name, on in (("states", c.cpu_offload), ("activations", c.offload_activations)) if on]
+    used = [f"{'+'.join(parts)} offloaded ({format_size(entry.predicted.host_bytes)} host)"] if parts else []
+    if c.optimizer_in_backward:
+        used.append("optimizer in backward")
+    return ", ".join(used) or "-"

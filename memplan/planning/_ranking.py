@@ -57,7 +57,7 @@ def rank_measured(estimator: Estimator, probed: list[PlanEntry], raced: list[Pla
 
 def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *, budget: int, margin: float,
                global_batch: int | None, tried: int, failed: Mapping[TrainConfig, str],
-               notes: Sequence[str]) -> Plan:
+               notes: Sequence[str], compile: bool | None = None) -> Plan:
     """The Plan of the ranked ``entries``, its notes closed by one line on the failures."""
     summary = summarize_failures(failed)
     gpu = estimator.spec.name if estimator.spec else None
@@ -73,4 +73,5 @@ def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *
         provenance=provenance(device=estimator.device, gpu=gpu,
                               source_hash=task.source_hash, source_path=task.source_path),
         notes=(*notes, *((summary,) if summary else ())),
+        compile=compile,
     )

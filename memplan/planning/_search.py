@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from estimators import ConfigError, Task, prestart
 
+from ._compile import evaluate_compile
 from ._inputs import budget_for, can_probe, estimator_for, host_budget_for, meta_model, resolve_task
 from ._objective import Objective, optimize
 from ._plan import Plan
@@ -47,6 +48,7 @@ def search(
     gpu: str | None = None,
     trials: int = 60,
     probe_top: int = 2,
+    compile_top: int = 1,
     seed: int | None = 0,
     storage: str | None = None,
     margin: float = 0.10,
@@ -57,6 +59,7 @@ def search(
     progress: bool = False,
     probe_fn: ProbeFn | None = None,
     race_fn: RaceFn | None = None,
+    compile_fn: ProbeFn | None = None,
     gpus: int = 1,
     nodes: int = 1,
     strategies: Sequence[str] | None = None,
@@ -74,7 +77,9 @@ def search(
     ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
     with real steps when the target is the device at hand (not for a ``gpu=`` card that is
     absent): from two on, the two best are raced against each other and the winner's memory
-    is probed. Raises :class:`NoFeasiblePlanError` when nothing fits.
+    is probed. Raises :class:`NoFeasiblePlanError` when nothing fits. Then ``compile_top``
+    of the best (0: none) are probed compiled: ``plan.compile`` says whether torch.compile was
+    measured faster (``._compile``).
 
     ``gpus`` devices per node on ``nodes`` machines: one device searches single-device
     training; more search DDP and FSDP2 over all of them (``strategies`` narrows that), with
@@ -163,8 +168,10 @@ def search(
         notes.extend(probe_notes)
         if not entries:
             raise no_fit(estimates, budget, limit, estimator, measured=True)
+    entries, compiled = evaluate_compile(task, estimator, entries, compile_top if probe_top > 0 else 0, limit,
+                                         probe_fn, compile_fn, gpu, notes)
     plan = build_plan(task, estimator, entries, budget=budget, margin=margin, global_batch=space.global_batch,
-                      tried=tried, failed=failed, notes=notes)
+                      tried=tried, failed=failed, notes=notes, compile=compiled)
     if plot is not None:
         from .._plots import record_plan_plot
         record_plan_plot(plan, estimates, plot, mirrored.persistent)
