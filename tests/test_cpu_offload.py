@@ -199,7 +199,7 @@ def test_search_offloads_when_nothing_else_fits() -> None:
     assert plan.config.cpu_offload and plan.config.strategy == "fsdp" and plan.config.world_size == 1
     assert plan.best.predicted.host_bytes >= 8 * params
     assert any("cpu-offload" in n for n in plan.notes)
-    assert "states offloaded (" in plan.table().splitlines()[2]  # the first row says so, with its host memory
+    assert "states offloaded (" in plan.table().splitlines()[3]  # the first row says so, with its host memory
     # Without room on the host for the offloaded states, nothing fits, and the refusal says
     # what was tried.
     with pytest.raises(NoFeasiblePlanError) as info:
