@@ -240,8 +240,12 @@ def test_fsdp_second_step_is_derived_as_traced(lm: Task, config: TrainConfig) ->
     derived, a = peak(True)
     traced, b = peak(False)
     assert (a.allocated, a.reserved, a.host) == (b.allocated, b.reserved, b.host)
-    assert sum(o.flops for o in derived.ops if derived.phase_labels[o.phase].startswith("step 2")) == \
-        sum(o.flops for o in traced.ops if traced.phase_labels[o.phase].startswith("step 2"))
+    def priced(trace):  # step 2's kernels as the time model sees them
+        ops = [o for o in trace.ops if o.moves_data and trace.phase_labels[o.phase].startswith("step 2")]
+        return len(ops), sum(o.flops for o in ops), sum(o.bytes_moved for o in ops)
+
+    # Not repeated: the ops that first made the storages FSDP2 re-allocates by resizing.
+    assert priced(derived) == priced(traced)
 
 
 def test_the_lower_bound_names_the_host_when_only_the_host_is_short() -> None:

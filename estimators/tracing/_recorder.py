@@ -93,6 +93,7 @@ class Recorder(TorchDispatchMode):
         self.quiet = False  # batch creation is not part of the step's ops
         self.label_ops = False  # wrap ops in profiler ranges (real runs measuring workspaces)
         self.host: list[int] = []  # allocations in host memory whatever the device
+        self.resized: list[int] = []  # allocations freed by resizing their storage to 0
 
     # storages --------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: Category = Category.TEMPORARIES) -> int | None:
@@ -129,6 +130,7 @@ class Recorder(TorchDispatchMode):
         self._refs.pop(key, None)  # the dropped weakref will not report the storage's death
         if index is not None:
             self._event(index, -1)
+            self.resized.append(index)
 
     def resized_up(self, tensor: torch.Tensor) -> None:
         """The storage of ``tensor`` was resized from 0 bytes: a new allocation of its size."""

@@ -17,9 +17,8 @@ second step does when the model's control flow does not depend on the step numbe
 FSDP2 is derived too: its lazy initialisation in step 1 allocates nothing that lives on, and
 the unsharded parameters it frees and re-allocates by resizing storages are step 1's
 transients (derived and traced second steps have the same peaks, allocated, reserved and
-host, on fp32, bf16-mixed, bf16-true, accumulation, checkpointing and CPU offload; the
-derived step repeats step 1's ``empty`` calls that create the unsharded storages, a few
-percent of the bytes the time model prices for such a small model). DDP (its buckets are
+host, on fp32, bf16-mixed, bf16-true, accumulation, checkpointing and CPU offload). The ops
+that first created those storages are not repeated: step 2 re-allocates them by resizing. DDP (its buckets are
 rebuilt at step 2) differs between steps in other ways and is traced for two steps; so are
 real runs.
 
@@ -29,7 +28,7 @@ step (``drop_second_micro``): one trace of accumulation 2 serves accumulation 1 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["RawEvents", "drop_second_micro", "repeat_first_step"]
@@ -50,6 +49,9 @@ class RawEvents:
     host: list[int]
     op_workspace: list[int] | None = None
     """Per op: scratch bytes measured by a profiled real run (None for fake traces)."""
+    resized: list[int] = field(default_factory=list)
+    """Allocations freed by resizing their storage to 0 (FSDP2's unsharded parameters): a
+    later step re-allocates them by resizing, with no op that creates them."""
 
 
 def repeat_first_step(raw: RawEvents) -> RawEvents:
@@ -85,7 +87,9 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
 
     out_alloc, out_sign, out_phase, n_before_end, copied_before = _repeat_events(
         raw, events, in_step, transient, copy_of, last, shift)
-    ops, positions, workspace = _repeat_ops(raw, first, last, shift, survivors, n_before_end, copied_before)
+    # The op that first made a storage step 2 re-allocates by resizing does not run again.
+    ops, positions, workspace = _repeat_ops(raw, first, last, shift, survivors | set(raw.resized), n_before_end,
+                                            copied_before)
     return RawEvents(
         alloc_bytes=alloc_bytes,
         alloc_category=alloc_category,
@@ -97,6 +101,7 @@ def repeat_first_step(raw: RawEvents) -> RawEvents:
         op_positions=positions,
         host=sorted(host),
         op_workspace=workspace,
+        resized=sorted(set(raw.resized) | {copy_of[a] for a in raw.resized if a in copy_of}),
     )
 
 
@@ -227,4 +232,5 @@ def drop_second_micro(raw: RawEvents) -> RawEvents | None:
         op_positions=positions,
         host=sorted(new_alloc[a] for a in raw.host if a in new_alloc),
         op_workspace=None if raw.op_workspace is None else [raw.op_workspace[k] for k in kept_ops],
+        resized=sorted(new_alloc[a] for a in raw.resized if a in new_alloc),
     )

@@ -248,7 +248,7 @@ def _finished(rec: Recorder, phase_labels: list[str], prof: Any, config: TrainCo
     kept = next((k for k, ph in enumerate(rec.event_phase) if ph >= end), len(rec.event_phase))
     raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc[:kept], rec.event_sign[:kept],
                     rec.event_phase[:kept], phase_labels, rec.ops, rec.op_positions, rec.host,
-                    _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None)
+                    _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None, rec.resized)
     if not derive:
         return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
