@@ -97,8 +97,11 @@ def test_a_cuda_target_moves_the_saved_activations_to_host_memory() -> None:
     # Not scaled from small anchor batches, where per-sample-tiny tensors (LayerNorm's mean and
     # rstd, the loss over 10 classes) fall under MIN_OFFLOAD_BYTES and would stay on the device.
     fresh = Estimator(task, gpu="A100-80GB")
-    fresh.expect([config.replace(offload_activations=True, micro_batch_size=b) for b in (512, 1024, 2048)])
-    unscaled = fresh.estimate(config.replace(offload_activations=True))
+    try:
+        fresh.expect([config.replace(offload_activations=True, micro_batch_size=b) for b in (512, 1024, 2048)])
+        unscaled = fresh.estimate(config.replace(offload_activations=True))
+    finally:
+        fresh.close()  # its trace worker, which would outlive the test (and trip the probe tests' check)
     assert unscaled.method == "traced" and unscaled.host_bytes == saved
     # The device no longer holds them: its peak falls by about the saved activations (backward
     # brings them back one node at a time).

@@ -71,6 +71,9 @@ class TraceWorker:
         self._next_ticket = 0
         self._queued: list[int] = []
         _LIVE.add(self)
+        # A worker collected unclosed (its estimator dropped mid-way) must not leave its process
+        # behind: the weak set forgets it, so close_all() could not reach it any more.
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn, self._dir)
 
     def submit(self, config: TrainConfig, batch_size: int, target: str,
                capability: tuple[int, int] | None = None) -> int:
@@ -125,18 +128,23 @@ class TraceWorker:
         return self._proc.is_alive()
 
     def close(self) -> None:
-        try:
-            self._conn.send(None)
-        except (BrokenPipeError, EOFError, OSError):
-            pass
-        self._proc.join(timeout=5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=5)
-        self._conn.close()
+        self._finalizer()  # stops the process once; a later call (or collection) does nothing
         self._queued.clear()
-        shutil.rmtree(self._dir, ignore_errors=True)
         _LIVE.discard(self)
+
+
+def _stop(proc: Any, conn: Any, directory: str) -> None:
+    """Ask the worker to exit (killed if it does not within 5 s), then drop its files."""
+    try:
+        conn.send(None)
+    except (BrokenPipeError, EOFError, OSError):
+        pass
+    proc.join(timeout=5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=5)
+    conn.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _serve(task: Task, conn: Any, directory: str) -> None:
