@@ -148,19 +148,37 @@ def _same_but_batch_and_segments(a: TrainConfig, b: TrainConfig) -> bool:
     return a.checkpoint_policy == b.checkpoint_policy and rest(a) == rest(b)
 
 
+_ROUNDS = 4
+"""The trials asked at most, in budgets: pruned trials cost no trace, but the sampler may keep
+asking for them."""
+
+
 def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exhaustive: bool,
              progress: bool) -> bool:
-    """Ask the study for the trials not answered yet (at most ``trials`` in all); True when
-    Ctrl-C cut it short (the completed trials are in the storage: a plan is built from them)."""
+    """Ask the study for the trials not answered yet (at most ``trials`` estimated or failed
+    configurations in all: one pruned without a trace costs none of the budget, so the study
+    is asked again for what they left, up to ``_ROUNDS`` budgets in all); True when Ctrl-C cut it short
+    (the completed trials are in the storage: a plan is built from them)."""
     space, estimator = objective.space, objective.estimator
-    remaining = max(0, min(trials, len(space)) - len([c for c in objective.done() if c in set(space)]))
+    in_space = set(space)
+
+    def remaining() -> int:
+        answered = len([c for c in objective.done() if c in in_space and c not in objective.pruned])
+        return max(0, min(trials - answered, len(in_space - objective.done())))
+
+    left = remaining()
     # An enumerated space asks every configuration: its traces start now, on both cores
     # (those whose model states alone do not fit are never traced).
-    estimator.expect([c for c in space if objective.under_floor(c) is None], prefetch=exhaustive and remaining > 0)
+    estimator.expect([c for c in space if objective.under_floor(c) is None], prefetch=exhaustive and left > 0)
     interrupted = False
-    if remaining:
+    if left:
         try:
-            mirrored.optimize(objective, n_trials=remaining, progress=progress)
+            asked = 0
+            # The sampler may ask a pruned configuration again: ask at most _ROUNDS budgets.
+            while left and asked < _ROUNDS * trials:
+                mirrored.optimize(objective, n_trials=left, progress=progress)
+                asked += left
+                left = 0 if exhaustive else remaining()
         except KeyboardInterrupt:
             interrupted = True  # completed trials are in the storage; plan from them
         finally:
