@@ -50,9 +50,10 @@ def test_the_optimizer_steps_in_backward_when_only_that_fits_and_clipping_allows
         search(_wide_task(), vram="170MB", device="cpu", global_batch=4, probe_top=0, trials=30, precisions=["fp32"])
 
 
-def test_configurations_pruned_without_a_trace_cost_none_of_the_trial_budget() -> None:
+def test_configurations_pruned_without_a_trace_cost_none_of_the_trial_budget(tmp_path, monkeypatch) -> None:
     # 110 MB: fp32 and bf16-mixed are known not to fit from the model's states alone (128 MB),
     # so every such trial is pruned; the widened study still estimates its budget of trials.
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))  # a study of its own, not resumed
     plan = search(_wide_task(), vram="110MB", device="cpu", global_batch=4, probe_top=0, trials=8, seed=3)
     assert plan.best.config.precision == "bf16-true"
     assert plan.trials == 8
