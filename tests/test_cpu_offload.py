@@ -16,46 +16,7 @@ from memplan.planning._objective import Objective
 from memplan.planning._refusal import state_floor, techniques_used
 from memplan.planning._space import CPU_OFFLOAD, build_space
 
-LM = """
-import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=256, d=64, layers=4):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
-def model():
-    return TinyLM()
-
-
-def train_data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (64, 33), generator=g)
-    return torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:])
-"""
+from _lm import LM_SOURCE  # a test helper, kept out of the package
 
 OFFLOAD = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=1, cpu_offload=True)
 PLAIN = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=1)
@@ -64,7 +25,7 @@ PLAIN = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=1)
 @pytest.fixture(scope="module")
 def lm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("offload") / "lm.py"
-    path.write_text(LM)
+    path.write_text(LM_SOURCE)
     return str(path)
 
 
