@@ -134,24 +134,10 @@ def search(
 
     study = dict(budget=budget, margin=margin, trials=trials, seed=seed, storage=storage, progress=progress,
                  floor=floor, host_limit=host_limit)
-    objective, mirrored, interrupted = _run_study(task, estimator, space, limit, **study)
-    estimates, failed = objective.results()
-    if not estimates and failed:
-        raise objective.failures.first_error()
-    feasible = [e for e in estimates if objective.fits(e)]
     notes: list[str] = []
-    wider = None if feasible else frugal
-    if wider is not None:
-        # Nothing fits with the standard axes: search again with the techniques that trade
-        # speed or precision for memory (the estimates made so far are kept).
-        objective, mirrored, interrupted = _run_study(task, estimator, wider, limit, cache=objective.cache, **study)
-        estimates, failed = objective.results()
-        feasible = [e for e in estimates if objective.fits(e)]
-        added = [p for p in wider.precisions if p not in space.precisions] + [t.name for t in wider.techniques]
-        notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
-        excluded = optimizer_in_backward_excluded(task)
-        if excluded is not None:
-            notes.append(f"the optimizer step in backward was not searched: {excluded}")
+    objective, mirrored, interrupted, wider = _study_then_widen(task, estimator, space, frugal, limit, study, notes)
+    estimates, failed = objective.results()
+    feasible = [e for e in estimates if objective.fits(e)]
     if not feasible:
         if not estimates:  # every configuration was known not to fit without a trace
             refuse_from_lower_bound(task, floor, wider or space, budget, limit, estimator, host_limit)
@@ -176,6 +162,27 @@ def search(
         from .._plots import record_plan_plot
         record_plan_plot(plan, estimates, plot, mirrored.persistent)
     return plan
+
+
+def _study_then_widen(task: Task, estimator: Any, space: Any, frugal: Any, limit: int, study: dict[str, Any],
+                      notes: list[str]) -> tuple[Objective, Any, bool, Any]:
+    """The study of ``space``; when nothing in it fits, the study of ``frugal`` (the techniques
+    that trade speed or precision for memory), the estimates made so far kept. Returns the
+    last study's objective, its storage, whether Ctrl-C cut it short, and the widened space
+    (None when not widened); says what it widened to in ``notes``."""
+    objective, mirrored, interrupted = _run_study(task, estimator, space, limit, **study)
+    estimates, failed = objective.results()
+    if not estimates and failed:
+        raise objective.failures.first_error()
+    if any(objective.fits(e) for e in estimates) or frugal is None:
+        return objective, mirrored, interrupted, None
+    objective, mirrored, interrupted = _run_study(task, estimator, frugal, limit, cache=objective.cache, **study)
+    added = [p for p in frugal.precisions if p not in space.precisions] + [t.name for t in frugal.techniques]
+    notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
+    excluded = optimizer_in_backward_excluded(task)
+    if excluded is not None:
+        notes.append(f"the optimizer step in backward was not searched: {excluded}")
+    return objective, mirrored, interrupted, frugal
 
 
 def _run_study(task: Task, estimator: Any, space: Any, limit: int, *, budget: int, margin: float, trials: int,
