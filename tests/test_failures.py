@@ -205,10 +205,14 @@ def test_a_model_whose_states_cannot_fit_is_refused_without_a_trace(monkeypatch)
             "bf16-true" in message and "--vram 4GB" in message)
     assert traced == [] and info.value.needed_bytes == 4 * 2 * 400_100_004
     # Sharded over 8 FSDP2 ranks the floor is an eighth: it is searched, not refused at once.
-    from memplan.planning._refusal import _model_state_floor
+    from estimators import Estimator, TrainConfig
+    from memplan.planning._refusal import refuse_from_lower_bound, state_floor
     from memplan.planning._space import layouts_for
     space = build_space(dataset_size=None, global_batch=8, precisions=("fp32",), max_segments=0,
                         layouts=layouts_for(8, 1))
     with torch.device("meta"):
-        floor, _, shards = _model_state_floor(task.build_model(), space)
-    assert shards == 8 and floor == 2 * 4 * 400_100_004 // 8
+        floor = state_floor(task, task.build_model())
+    single, sharded = TrainConfig(micro_batch_size=1), TrainConfig(micro_batch_size=1, strategy="fsdp", world_size=8)
+    # fp32 weights and gradients, AdamW's two moments: 16 bytes a parameter, an eighth per rank.
+    assert floor.device(single) == 16 * 400_100_004 and floor.device(sharded) == 16 * 400_100_004 // 8
+    refuse_from_lower_bound(task, floor, space, 10**9, 9 * 10**8, Estimator(task, device="cpu"))  # 800 MB: no refusal

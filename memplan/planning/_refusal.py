@@ -81,23 +81,6 @@ def state_floor(task: Task, model: nn.Module) -> StateFloor:
                       + max((n + t for n, t in zip(units.block_numels, units.block_trainables)), default=0))
 
 
-def _model_state_floor(model: nn.Module, space: SearchSpace) -> tuple[int, int, int]:
-    """(bytes, parameters, shards): the parameters and gradients alone (no optimizer state)
-    in the most frugal precision of ``space``, split over its largest FSDP2 world."""
-    seen: set[int] = set()
-    states = params = 0
-    frugal = "bf16-true" in space.precisions
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        params += p.numel()
-        size = min(p.element_size(), 2) if frugal and p.is_floating_point() else p.element_size()
-        states += p.numel() * size * (2 if p.requires_grad else 1)
-    shards = max((layout.world_size for layout in space.layouts if layout.strategy == "fsdp"), default=1)
-    return states // shards, params, shards
-
-
 def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
     """Bytes of the state the task's optimizer keeps for ``model`` (built on meta): one step of
     it on meta gradients, which allocates nothing; 0 when the optimizer cannot step on meta
