@@ -17,7 +17,7 @@ from optuna.trial import FrozenTrial
 from estimators import Estimate, Estimator, MemplanError, TrainConfig, format_size
 
 from ._failures import Failures
-from ._plan import needed_bytes
+from ._plan import excess_bytes
 from ._refusal import StateFloor
 from ._space import SearchSpace
 from ._study import MirroredStudy
@@ -42,14 +42,11 @@ class Objective:
 
     def fits(self, est: Estimate) -> bool:
         """Within the device's limit, and the host's for what it offloads."""
-        return needed_bytes(est) <= self.limit and (self.host_limit is None or est.host_bytes <= self.host_limit)
+        return self.excess(est) <= 0
 
     def excess(self, est: Estimate) -> int:
         """Bytes over the tighter of the two limits (<= 0: fits)."""
-        over = needed_bytes(est) - self.limit
-        if self.host_limit is not None:
-            over = max(over, est.host_bytes - self.host_limit)
-        return over
+        return excess_bytes(est, self.limit, self.host_limit)
 
     def under_floor(self, config: TrainConfig) -> tuple[int, str] | None:
         """(bytes over, why) when the model's own states under ``config`` exceed a limit."""

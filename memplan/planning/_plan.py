@@ -35,6 +35,12 @@ def needed_bytes(estimate: Estimate) -> int:
     return estimate.peak_bytes + estimate.context_bytes
 
 
+def excess_bytes(estimate: Estimate, limit: int, host_limit: int | None = None) -> int:
+    """Bytes over the tighter of the device's ``limit`` and the host's (<= 0: it fits)."""
+    over = needed_bytes(estimate) - limit
+    return max(over, estimate.host_bytes - host_limit) if host_limit is not None else over
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanEntry:
     """One configuration with its predicted and (when probed) measured figures."""

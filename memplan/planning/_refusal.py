@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from estimators import Estimate, Estimator, NoFeasiblePlanError, Task, TrainConfig, format_size, fsdp_units, weight_dtype
 
-from ._plan import needed_bytes
+from ._plan import excess_bytes, needed_bytes
 from ._space import SearchSpace
 
 __all__ = ["StateFloor", "state_floor", "techniques_used", "refuse_from_lower_bound", "no_fit"]
@@ -179,16 +179,12 @@ def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, b
 
 def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False,
            host_limit: int | None = None) -> NoFeasiblePlanError:
-    def excess(e: Estimate) -> int:
-        over = needed_bytes(e) - limit
-        return max(over, e.host_bytes - host_limit) if host_limit is not None else over
-
     if not estimates:
         return NoFeasiblePlanError(
             f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): no configuration "
             "could be estimated — try a card with more memory, FSDP over more devices, or a smaller model",
             nearest=None, needed_bytes=limit + 1, budget_bytes=budget)
-    nearest = min(estimates, key=excess)
+    nearest = min(estimates, key=lambda e: excess_bytes(e, limit, host_limit))
     need = needed_bytes(nearest)
     parts = sorted(nearest.breakdown.items(), key=lambda kv: -kv[1])
     detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts if v > 0)
