@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from ._config import PRECISIONS, Precision, Strategy, TrainConfig, normalize_precision
 from ._errors import (
-    ConfigError, MemplanError, ModelFileError, NoFeasiblePlanError, ProbeError, TrainingError,
+    ConfigError,
+    MemplanError,
+    ModelFileError,
+    NoFeasiblePlanError,
+    ProbeError,
+    TrainingError,
     UnknownGPUError,
 )
 from ._estimate import Estimate, Estimator, estimate, resolve_target
@@ -33,7 +38,12 @@ from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
 from .runtime._options import StepOptions
 from .runtime._precision import (
-    backward, convert_input, forward_context, make_grad_scaler, optimizer_step, weight_dtype,
+    backward,
+    convert_input,
+    forward_context,
+    make_grad_scaler,
+    optimizer_step,
+    weight_dtype,
 )
 from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, to_device, train_step, training_loss
 from .tracing._recorder import Category

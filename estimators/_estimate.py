@@ -21,8 +21,9 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -33,12 +34,12 @@ from ._gpus import GPUSpec, detect_local_gpu, get_gpu
 from ._scaling import BatchScaling
 from ._task import Task
 from ._traces import DATA_DEPENDENT_CAPACITY, TraceSource
-from .runtime._optim_bwd import check_compatible as check_optimizer_in_backward
 from .memory._prepare import Prepared
 from .memory._replay import MemoryPeak, replay
-from .timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
+from .runtime._optim_bwd import check_compatible as check_optimizer_in_backward
 from .timing._calibration import TimeCalibration
 from .timing._cpu_rates import cpu_rates
+from .timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
 from .timing._timing import DeviceRates, gpu_rates
 
 __all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
@@ -140,8 +141,9 @@ class Estimator:
     Thread-safe for concurrent ``estimate`` calls (a lock serialises tracing).
     """
 
-    def __init__(self, task: Task, *, device: str | None = None, gpu: str | None = None,
-                 shape_policy: str | None = None) -> None:
+    def __init__(
+        self, task: Task, *, device: str | None = None, gpu: str | None = None, shape_policy: str | None = None
+    ) -> None:
         self.task = task.with_shape_policy(shape_policy) if shape_policy is not None else task
         self._shape_estimators: dict[str, Estimator] = {}
         self.device, self.spec = resolve_target(device, gpu)
@@ -157,10 +159,16 @@ class Estimator:
         """Estimate ``config``; ``exact=True`` traces its micro-batch size itself instead of
         scaling from the anchor traces (one trace instead of three, for a single answer)."""
         self.check_config(config)
-        prepared, method = self._events(config, exact=exact)                 # trace, or scale
-        memory = replay(prepared, self.device)                               # replay
-        cost = price(config, prepared, self.rates(), self._calibration,      # price
-                     self._model_facts(), self.spec)
+        prepared, method = self._events(config, exact=exact)  # trace, or scale
+        memory = replay(prepared, self.device)  # replay
+        cost = price(
+            config,
+            prepared,
+            self.rates(),
+            self._calibration,  # price
+            self._model_facts(),
+            self.spec,
+        )
         return self._assemble(config, prepared, method, memory, cost)
 
     def expect(self, configs: Iterable[TrainConfig], *, prefetch: bool = False) -> None:
@@ -183,8 +191,7 @@ class Estimator:
             self._rates = gpu_rates(self.spec) if self.spec is not None else cpu_rates()
         return self._rates
 
-    def calibrate(self, config: TrainConfig, measured_step_time_s: float, *,
-                  predicted: Estimate | None = None) -> None:
+    def calibrate(self, config: TrainConfig, measured_step_time_s: float, *, predicted: Estimate | None = None) -> None:
         """Refit the step-time model with a probe's measurement of ``config``: the per-op
         fixed cost and the work are refitted apart once probes differ in their mix of the two
         (see ``TimeCalibration``). ``predicted``, this estimator's prediction of ``config``
@@ -220,9 +227,12 @@ class Estimator:
             # Where estimate() puts it: before the communication note.
             at = next((i for i, n in enumerate(notes) if n.startswith("communication ")), len(notes))
             notes.insert(at, note)
-        return replace(estimate, step_time_s=seconds,
-                       samples_per_s=_throughput(estimate.config, seconds, estimate.batch_shapes),
-                       notes=tuple(notes))
+        return replace(
+            estimate,
+            step_time_s=seconds,
+            samples_per_s=_throughput(estimate.config, seconds, estimate.batch_shapes),
+            notes=tuple(notes),
+        )
 
     def close(self) -> None:
         """Stop the trace worker, if one runs (a later trace starts it again when needed)."""
@@ -232,8 +242,7 @@ class Estimator:
         check_optimizer_in_backward(config, self.task.step)
         if config.precision in ("bf16-mixed", "bf16-true") and self.spec is not None and not self.spec.bf16:
             raise ConfigError(
-                f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use "
-                "--precision fp16 or fp32"
+                f"{self.spec.name} has no bf16 support (needs compute capability 8.0+); use --precision fp16 or fp32"
             )
         if config.strategy == "fsdp" and config.world_size > 1 and not self._model_facts().units.block_numels:
             raise ConfigError(
@@ -294,28 +303,41 @@ class Estimator:
             profile = self.task.shapes()
             dims = profile.varying_dims
             per_item = profile.sizes.shape[1]
-            out.update(policy=self.task.shape_policy, items=list(planned.items),
-                       padded=[planned.padded[i] for i in dims], dims=[int(i) for i in dims],
-                       item_max=[int(profile.sizes[:, i].max()) for i in dims],
-                       source=profile.source, coverage=profile.coverage, per_item=per_item)
+            out.update(
+                policy=self.task.shape_policy,
+                items=list(planned.items),
+                padded=[planned.padded[i] for i in dims],
+                dims=[int(i) for i in dims],
+                item_max=[int(profile.sizes[:, i].max()) for i in dims],
+                source=profile.source,
+                coverage=profile.coverage,
+                per_item=per_item,
+            )
             if not profile.collate_pads:
                 out["collate"] = "does not pad to the longest item; planned from collating the planned items"
             else:
-                out.update(padding_factor=self._padding_factor(config),
-                           order="length-grouped" if config.length_grouped else "random")
+                out.update(
+                    padding_factor=self._padding_factor(config),
+                    order="length-grouped" if config.length_grouped else "random",
+                )
         if p.draws is not None:
             out.update(draws=p.draws[0], batch_offset=p.draws[1])
             if p.draws[2] is not None:
-                out.update(bound=f"allocations that vary between the draws at {DATA_DEPENDENT_CAPACITY}x "
-                                 "their largest", capacity=DATA_DEPENDENT_CAPACITY, fullest_batch_peak_bytes=p.draws[2])
+                out.update(
+                    bound=f"allocations that vary between the draws at {DATA_DEPENDENT_CAPACITY}x their largest",
+                    capacity=DATA_DEPENDENT_CAPACITY,
+                    fullest_batch_peak_bytes=p.draws[2],
+                )
         return out or None
 
     def _padding_factor(self, config: TrainConfig) -> float:
         from ._shapes import padding_factor
+
         planned = self.task.planned(config.micro_batch_size)
         assert planned is not None
-        return padding_factor(self.task.shapes(), planned, config.micro_batch_size,
-                              config.global_batch if config.length_grouped else 0)
+        return padding_factor(
+            self.task.shapes(), planned, config.micro_batch_size, config.global_batch if config.length_grouped else 0
+        )
 
     def shape_distribution(self, config: TrainConfig, *, exact: bool = False) -> Estimate:
         """``estimate(config)`` with the predicted peak at the median, 99th-percentile and
@@ -332,15 +354,25 @@ class Estimator:
                 sub = self._shape_estimators.get(label)
                 if sub is None:
                     sub = self._shape_estimators[label] = Estimator(
-                        self.task.with_shape_policy(label), device=self.device,
-                        gpu=self.spec.name if self.spec is not None else None)
+                        self.task.with_shape_policy(label),
+                        device=self.device,
+                        gpu=self.spec.name if self.spec is not None else None,
+                    )
                 other = sub.estimate(config, exact=True)
             assert other.batch_shapes is not None
-            shapes[label] = {"padded": list(other.batch_shapes["padded"]), "items": list(other.batch_shapes["items"]),
-                             "peak_bytes": other.peak_bytes}
-        notes = [*est.notes, "peak at the median / p99 / max batch: " + " / ".join(
-            f"{_mib(shapes[k]['peak_bytes'])} ({', '.join(map(str, shapes[k]['padded']))})"
-            for k in ("median", "p99", "max"))]
+            shapes[label] = {
+                "padded": list(other.batch_shapes["padded"]),
+                "items": list(other.batch_shapes["items"]),
+                "peak_bytes": other.peak_bytes,
+            }
+        notes = [
+            *est.notes,
+            "peak at the median / p99 / max batch: "
+            + " / ".join(
+                f"{_mib(shapes[k]['peak_bytes'])} ({', '.join(map(str, shapes[k]['padded']))})"
+                for k in ("median", "p99", "max")
+            ),
+        ]
         return replace(est, batch_shapes=shapes, notes=tuple(notes))
 
     def _model_facts(self) -> ModelFacts:
@@ -366,25 +398,36 @@ def _mib(n: int) -> str:
 def _shapes_note(shapes: Mapping[str, Any]) -> str:
     parts = []
     if "policy" in shapes:
-        what = ("the worst batch the loader can form" if shapes["policy"] == "max"
-                else f"the {shapes['policy']} batch of an epoch")
-        parts.append(f"batch shapes: planned for {what}, padded to sizes ({', '.join(map(str, shapes['padded']))}) "
-                     f"(items {', '.join(map(str, shapes['items'][:4]))}{', …' if len(shapes['items']) > 4 else ''}); "
-                     f"item sizes from {shapes['source']}, {shapes['coverage']}")
+        what = (
+            "the worst batch the loader can form"
+            if shapes["policy"] == "max"
+            else f"the {shapes['policy']} batch of an epoch"
+        )
+        parts.append(
+            f"batch shapes: planned for {what}, padded to sizes ({', '.join(map(str, shapes['padded']))}) "
+            f"(items {', '.join(map(str, shapes['items'][:4]))}{', …' if len(shapes['items']) > 4 else ''}); "
+            f"item sizes from {shapes['source']}, {shapes['coverage']}"
+        )
         if "collate" in shapes:
             parts.append(f"the collate {shapes['collate']}")
         if "padding_factor" in shapes:
-            parts.append(f"throughput at an epoch's mean batch ({shapes['order']} order): "
-                         f"{shapes['padding_factor']:.2f} of the planned batch's padded size")
+            parts.append(
+                f"throughput at an epoch's mean batch ({shapes['order']} order): "
+                f"{shapes['padding_factor']:.2f} of the planned batch's padded size"
+            )
     if "draws" in shapes:
         if "bound" in shapes:
-            parts.append(f"shapes depend on data: over {shapes['draws']} real batches, every allocation at the "
-                         f"largest it reached, those that varied at {shapes['capacity']}x that (a capacity factor); "
-                         f"the fullest batch, from item {shapes['batch_offset']}, needs "
-                         f"{_mib(shapes['fullest_batch_peak_bytes'])}; a router more skewed than that may need more")
+            parts.append(
+                f"shapes depend on data: over {shapes['draws']} real batches, every allocation at the "
+                f"largest it reached, those that varied at {shapes['capacity']}x that (a capacity factor); "
+                f"the fullest batch, from item {shapes['batch_offset']}, needs "
+                f"{_mib(shapes['fullest_batch_peak_bytes'])}; a router more skewed than that may need more"
+            )
         else:
-            parts.append(f"shapes depend on data: the fullest of {shapes['draws']} real batches "
-                         f"(from item {shapes['batch_offset']}); other batches may need more")
+            parts.append(
+                f"shapes depend on data: the fullest of {shapes['draws']} real batches "
+                f"(from item {shapes['batch_offset']}); other batches may need more"
+            )
     return "; ".join(parts)
 
 
@@ -411,8 +454,12 @@ def estimate(
     1843200
     """
     from ._task import load_task
-    task = load_task(model) if isinstance(model, str) else model
-    config = TrainConfig(micro_batch_size=batch_size, grad_accum_steps=accum,
-                         precision=normalize_precision(precision), checkpoint_segments=checkpoint)
-    return Estimator(task, device=device, gpu=gpu, shape_policy=shape_policy).shape_distribution(config)
 
+    task = load_task(model) if isinstance(model, str) else model
+    config = TrainConfig(
+        micro_batch_size=batch_size,
+        grad_accum_steps=accum,
+        precision=normalize_precision(precision),
+        checkpoint_segments=checkpoint,
+    )
+    return Estimator(task, device=device, gpu=gpu, shape_policy=shape_policy).shape_distribution(config)

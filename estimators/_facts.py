@@ -8,7 +8,7 @@ from ._task import Task
 from .memory._distributed import FsdpUnits, ddp_bucket_bytes, fsdp_units
 from .runtime._checkpoint import find_block_stack
 from .runtime._precision import cast_model
-from .tracing._fake import fake_mode, build_fake_model
+from .tracing._fake import build_fake_model, fake_mode
 
 __all__ = ["ModelFacts", "model_facts"]
 

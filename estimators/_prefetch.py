@@ -17,7 +17,8 @@ worker is traced here again, which raises its error properly.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._config import TrainConfig
 from .memory._workspace import WORKSPACE_ANCHORS

@@ -13,8 +13,9 @@ when the anchors' ops line up. Otherwise each batch is traced afresh.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -30,9 +30,10 @@ import importlib.util
 import itertools
 import sys
 import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,8 +43,16 @@ from torch.utils.data import Dataset, default_collate
 
 from ._errors import ConfigError, ModelFileError
 from ._shapes import POLICIES, PlannedBatch, ShapeProfile, fill_items, largest_items, planned_batch
-from ._task_data import (_as_factory, _cached_dataset, _cached_shapes, _cached_template, _is_spec, _one_line,
-                         _repeat_rows, module_fingerprint)
+from ._task_data import (
+    _as_factory,
+    _cached_dataset,
+    _cached_shapes,
+    _cached_template,
+    _is_spec,
+    _one_line,
+    _repeat_rows,
+    module_fingerprint,
+)
 from .runtime._options import StepOptions
 
 __all__ = ["Task", "load_task", "default_loss", "default_logits_and_targets", "default_optimizer"]
@@ -394,6 +403,7 @@ def _checked_builder(build: Callable[[], Any], p: Path) -> Callable[[], nn.Modul
                 f"{p.name}: model() returned {type(m).__name__}, not a torch.nn.Module; return the module itself"
             )
         return m
+
     return build_model
 
 

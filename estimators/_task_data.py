@@ -7,8 +7,9 @@ Helpers of ``_task.Task``'s methods, kept apart so that the task reads as its co
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

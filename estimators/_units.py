@@ -139,7 +139,7 @@ def format_size(n: int, *, binary: bool = False) -> str:
     if n < base:
         return f"{round(n)} B"
     value = float(n)
-    for index, unit in enumerate(units):
+    for index, unit in enumerate(units):  # noqa: B007 - the unit the loop stops at is used below
         scaled = value / base**index
         rounded = float(f"{scaled:.3g}")
         if rounded < base or index == len(units) - 1:

@@ -7,22 +7,56 @@
 from __future__ import annotations
 
 from estimators import (
-    ConfigError, Estimate, Estimator, MemplanError, ModelFileError, NoFeasiblePlanError, Task,
-    TrainConfig, TrainingError, estimate, format_size, load_task, parse_size,
+    ConfigError,
+    Estimate,
+    Estimator,
+    MemplanError,
+    ModelFileError,
+    NoFeasiblePlanError,
+    Task,
+    TrainConfig,
+    TrainingError,
+    estimate,
+    format_size,
+    load_task,
+    parse_size,
 )
 
-from ._version import __version__
-
+from . import nn as nn  # memplan.nn: init_weights and DropPath for model files
 from ._doctor import doctor  # noqa: E402
 from ._fit import fit, train_plan  # noqa: E402
 from ._lr_find import lr_find  # noqa: E402
+from ._version import __version__
 from .planning import Plan, PlanEntry, search  # noqa: E402
-from .training import LaunchSpec, TrainOptions, TrainResult, Trainer, keep_global_batch, launch_training, train  # noqa: E402,I001
-from . import nn  # noqa: E402 - memplan.nn: init_weights and DropPath for model files
+from .training import LaunchSpec, Trainer, TrainOptions, TrainResult, keep_global_batch, launch_training, train  # noqa: E402,I001
 
 __all__ = [
-    "ConfigError", "Estimate", "Estimator", "MemplanError", "ModelFileError", "NoFeasiblePlanError",
-    "Task", "TrainConfig", "TrainingError", "estimate", "format_size", "load_task", "parse_size",
-    "LaunchSpec", "Plan", "PlanEntry", "TrainOptions", "TrainResult", "Trainer", "fit", "keep_global_batch", "search", "train", "train_plan",
-    "launch_training", "doctor", "lr_find", "__version__",
+    "ConfigError",
+    "Estimate",
+    "Estimator",
+    "MemplanError",
+    "ModelFileError",
+    "NoFeasiblePlanError",
+    "Task",
+    "TrainConfig",
+    "TrainingError",
+    "estimate",
+    "format_size",
+    "load_task",
+    "parse_size",
+    "LaunchSpec",
+    "Plan",
+    "PlanEntry",
+    "TrainOptions",
+    "TrainResult",
+    "Trainer",
+    "fit",
+    "keep_global_batch",
+    "search",
+    "train",
+    "train_plan",
+    "launch_training",
+    "doctor",
+    "lr_find",
+    "__version__",
 ]

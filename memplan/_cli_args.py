@@ -25,7 +25,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--batch-size", "-b", required=True, help="micro-batch size")
     p.add_argument("--accum", default="1", help="gradient-accumulation steps (default 1)")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16) | bf16-true | fp16-true")
+    p.add_argument(
+        "--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16) | bf16-true | fp16-true"
+    )
     p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -41,32 +43,68 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
 
 
 def add_shape_policy(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape-policy", choices=["max", "p99"], default="max",
-                   help="items of varying shape: plan for the worst batch the loader can form (max, default) "
-                        "or the 99th percentile of an epoch's batches (p99; rarer ones are left to OOM recovery)")
+    p.add_argument(
+        "--shape-policy",
+        choices=["max", "p99"],
+        default="max",
+        help="items of varying shape: plan for the worst batch the loader can form (max, default) "
+        "or the 99th percentile of an epoch's batches (p99; rarer ones are left to OOM recovery)",
+    )
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--config", default=None, help="a TOML file of options (memplan init writes one); flags override it")
-    p.add_argument("--precision", default=None, help="precisions to search, e.g. bf16-mixed,fp32 or bf16-true (default: what the device runs well; bf16-true too when nothing else fits)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint segments to search, e.g. 0 or 0,2 (default: 0, powers of two, every block)")
-    p.add_argument("--micro-batch", default=None, help="micro-batch sizes to search, e.g. 8,16 (default: all that fit the global batch)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="precisions to search, e.g. bf16-mixed,fp32 or bf16-true (default: what the device runs well; bf16-true too when nothing else fits)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint segments to search, e.g. 0 or 0,2 (default: 0, powers of two, every block)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        default=None,
+        help="micro-batch sizes to search, e.g. 8,16 (default: all that fit the global batch)",
+    )
     p.add_argument("--strategy", default=None, help="strategies to search with --gpus > 1: ddp, fsdp or ddp,fsdp")
-    p.add_argument("--vram", default=None, help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)")
+    p.add_argument(
+        "--vram",
+        default=None,
+        help="memory budget, e.g. 12GB or 12GiB (default: the device's free memory; on CPU half the available RAM)",
+    )
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
-    p.add_argument("--host-memory", default=None, help="host RAM a GPU plan may fill with CPU-offloaded states, e.g. 64GB (default: this machine's RAM)")
-    p.add_argument("--global-batch", default=None, help="fix micro x accumulation (default: settings['global_batch'] of the model file)")
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        help="host RAM a GPU plan may fill with CPU-offloaded states, e.g. 64GB (default: this machine's RAM)",
+    )
+    p.add_argument(
+        "--global-batch",
+        default=None,
+        help="fix micro x accumulation (default: settings['global_batch'] of the model file)",
+    )
     p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
-    p.add_argument("--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)")
-    p.add_argument("--compile-top", default="1", help="best configurations to probe compiled with torch.compile (default 1; 0 = none)")
+    p.add_argument(
+        "--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)"
+    )
+    p.add_argument(
+        "--compile-top",
+        default="1",
+        help="best configurations to probe compiled with torch.compile (default 1; 0 = none)",
+    )
     p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
     add_shape_policy(p)
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", default=None, help="devices per machine to plan for (default 1; more searches DDP and FSDP2)")
+    p.add_argument(
+        "--gpus", default=None, help="devices per machine to plan for (default 1; more searches DDP and FSDP2)"
+    )
     p.add_argument("--nodes", default=None, help="machines to plan for (default 1)")
 
 
@@ -83,14 +121,18 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 def launch_spec(args: argparse.Namespace, nproc: int | None = None):
     """The launch asked for on the command line; None: none (the plan decides)."""
     from .training import LaunchSpec
+
     nproc = nproc if nproc is not None else (parse_count(args.nproc, what="--nproc") if args.nproc else None)
     nnodes = parse_count(args.nnodes, what="--nnodes")
     if nproc is None and nnodes == 1:
         return None
     return LaunchSpec(
-        nproc_per_node=nproc if nproc is not None else 1, nnodes=nnodes,
+        nproc_per_node=nproc if nproc is not None else 1,
+        nnodes=nnodes,
         node_rank=parse_count(args.node_rank, what="--node-rank", minimum=0),
-        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_backend=args.rdzv_backend,
     )
 
 
@@ -112,21 +154,29 @@ def _names(text: str | None) -> list[str] | None:
 
 def search_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        precisions=_names(args.precision), strategies=_names(args.strategy),
+        precisions=_names(args.precision),
+        strategies=_names(args.strategy),
         checkpoint_segments=_counts(args.checkpoint, "--checkpoint", minimum=0),
         micro_batch_sizes=_counts(args.micro_batch, "--micro-batch"),
-        vram=args.vram, gpu=args.gpu, device=args.device,
+        vram=args.vram,
+        gpu=args.gpu,
+        device=args.device,
         global_batch=parse_count(args.global_batch, what="--global-batch") if args.global_batch else None,
         trials=parse_count(args.trials, what="--trials"),
         probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
         compile_top=parse_count(args.compile_top, what="--compile-top", minimum=0),
         seed=parse_count(args.seed, what="--seed", minimum=0),
-        storage=args.storage, shape_policy=args.shape_policy, host_memory=args.host_memory,
+        storage=args.storage,
+        shape_policy=args.shape_policy,
+        host_memory=args.host_memory,
     )
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     from ._options import add_option_flags
+
     p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (fit: with OUT/plan.json, no search)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from OUT/checkpoint.pt (fit: with OUT/plan.json, no search)"
+    )
     add_option_flags(p)

@@ -13,8 +13,17 @@ from dataclasses import replace
 from estimators import Estimator, load_task, parse_count
 
 from ._cli_args import (
-    add_common_args, add_config_args, add_launch_args, add_layout_args, add_search_args, add_shape_policy,
-    add_train_args, config_from, launch_spec, layout_from, search_kwargs,
+    add_common_args,
+    add_config_args,
+    add_launch_args,
+    add_layout_args,
+    add_search_args,
+    add_shape_policy,
+    add_train_args,
+    config_from,
+    launch_spec,
+    layout_from,
+    search_kwargs,
 )
 from ._report import estimate_table
 
@@ -40,7 +49,9 @@ class EstimateCommand:
         est = estimator.shape_distribution(config, exact=True)
         if args.plot or args.snapshot:
             from ._timeline_out import write_timeline_outputs
-            for line in write_timeline_outputs(estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram):
+            for line in write_timeline_outputs(
+                estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram
+            ):
                 print(line, file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(est.to_dict(), indent=2))
@@ -60,18 +71,25 @@ class ProbeCommand:
         p.add_argument("--vram", default=None, help="memory budget enforced during the probe")
 
     def run(self, args: argparse.Namespace) -> int:
-        from estimators import parse_size, resolve_target
-        from estimators import probe
+        from estimators import parse_size, probe, resolve_target
+
         config = config_from(args)
         if args.gpu is not None:
             from estimators import ConfigError
-            raise ConfigError("a probe measures the device at hand; drop --gpu (use memplan estimate --gpu to plan for another card)")
+
+            raise ConfigError(
+                "a probe measures the device at hand; drop --gpu (use memplan estimate --gpu to plan for another card)"
+            )
         device, _spec = resolve_target(args.device, None)
         task = load_task(args.model)
         budget = parse_size(args.vram, what="--vram") if args.vram else None
         result = probe(task, config, device=device, steps=parse_count(args.steps, what="--steps"), budget_bytes=budget)
         if args.json:
-            out = result.estimate.to_dict() if result.estimate is not None else {"method": "measured", "config": config.to_dict()}
+            out = (
+                result.estimate.to_dict()
+                if result.estimate is not None
+                else {"method": "measured", "config": config.to_dict()}
+            )
             out.update(status=result.status, message=result.message, overhead_s=result.overhead_s)
             print(json.dumps(out, indent=2))
         elif result.estimate is not None:
@@ -92,17 +110,26 @@ class PlanCommand:
         add_layout_args(p)
         p.add_argument("--out", default=None, help="write the plan as JSON to this file")
         p.add_argument("--json", action="store_true", help="print the plan as JSON")
-        p.add_argument("--plot", default=None, help="draw every trial's peak against samples/s to this image (memplan[plots])")
+        p.add_argument(
+            "--plot", default=None, help="draw every trial's peak against samples/s to this image (memplan[plots])"
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import layout_kwargs
         from .planning import search
+
         gpus, nodes = layout_from(args)
         if args.plot:
             from ._plots import require_matplotlib
+
             require_matplotlib()  # fail before the search, not after it
-        plan = search(args.model, progress=not (args.json or args.no_progress) and sys.stderr.isatty(), **search_kwargs(args),
-                      **layout_kwargs(None, gpus=gpus, nodes=nodes), plot=args.plot)
+        plan = search(
+            args.model,
+            progress=not (args.json or args.no_progress) and sys.stderr.isatty(),
+            **search_kwargs(args),
+            **layout_kwargs(None, gpus=gpus, nodes=nodes),
+            plot=args.plot,
+        )
         if args.out:
             plan.save(args.out)
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
@@ -125,13 +152,16 @@ def _with_plan(args: argparse.Namespace, options, task, plan):
     options = replace(options, device=plan.device)
     if _lr_auto(args, task):
         from ._lr_find import auto_lr
+
         options = replace(options, lr=float(auto_lr(task, plan.config, plan.device)))
     return options
 
 
 def _train_options(args: argparse.Namespace, device: str, task):
     from pathlib import Path
+
     from ._options import option_specs, resolve_options
+
     config = getattr(args, "config_values", None)
     settings = task.settings
     cli = {spec.name: getattr(args, spec.dest, None) for spec in option_specs()}
@@ -142,9 +172,14 @@ def _train_options(args: argparse.Namespace, device: str, task):
         settings = {k: v for k, v in settings.items() if k != "lr"}
     return resolve_options(
         cli=cli,
-        config=config, config_name=Path(args.config).name if config is not None else "config",
-        settings=settings, settings_name=Path(task.source_path).name if task.source_path else task.name,
-        out_dir=Path(args.out), resume=args.resume, device=device, progress=not args.no_progress,
+        config=config,
+        config_name=Path(args.config).name if config is not None else "config",
+        settings=settings,
+        settings_name=Path(task.source_path).name if task.source_path else task.name,
+        out_dir=Path(args.out),
+        resume=args.resume,
+        device=device,
+        progress=not args.no_progress,
         seed=parse_count(args.seed, what="--seed", minimum=0) if getattr(args, "seed", None) is not None else None,
     )
 
@@ -152,15 +187,20 @@ def _train_options(args: argparse.Namespace, device: str, task):
 def _compile_said(args: argparse.Namespace, task) -> bool | None:
     """What the command line, the config file or the model file said of --compile (None: nothing)."""
     from ._fit import compile_said
-    return compile_said(getattr(args, "option_compile", None), getattr(args, "config_values", None) or {},
-                        dict(task.settings))
+
+    return compile_said(
+        getattr(args, "option_compile", None), getattr(args, "config_values", None) or {}, dict(task.settings)
+    )
 
 
 def _check_device(args: argparse.Namespace, plan) -> None:
     from estimators import ConfigError
+
     if args.device is not None and args.device != plan.device.split(":")[0]:
-        raise ConfigError(f"the plan was made for {plan.device}, not --device {args.device}; plan again with "
-                          f"memplan plan MODEL.py --device {args.device}")
+        raise ConfigError(
+            f"the plan was made for {plan.device}, not --device {args.device}; plan again with "
+            f"memplan plan MODEL.py --device {args.device}"
+        )
 
 
 def _print_result(result) -> None:
@@ -185,8 +225,10 @@ class FitCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from estimators import ConfigError
+
         from ._fit import layout_kwargs, resumed_plan, train_plan
         from .planning import resolve_task, search
+
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
         gpus, nodes = layout_from(args)
         nproc = parse_count(args.nproc, what="--nproc") if args.nproc else None
@@ -194,7 +236,9 @@ class FitCommand:
         if gpus is not None and nproc is not None and gpus != nproc:
             raise ConfigError(f"fit trains what it plans: --gpus {gpus} and --nproc {nproc} differ; give one of them")
         if nodes is not None and args.nnodes != "1" and nodes != nnodes:
-            raise ConfigError(f"fit trains what it plans: --nodes {nodes} and --nnodes {nnodes} differ; give one of them")
+            raise ConfigError(
+                f"fit trains what it plans: --nodes {nodes} and --nnodes {nnodes} differ; give one of them"
+            )
         if nodes is not None:
             args.nnodes = str(nodes)
         spec = launch_spec(args, nproc if nproc is not None else gpus)
@@ -205,9 +249,12 @@ class FitCommand:
         plan = resumed_plan(args.out) if args.resume else None
         if plan is None:
             # --no-compile: compiled probes would measure what will not be trained.
-            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(),
-                          **{**search_kwargs(args), **({"compile_top": 0} if said is False else {})},
-                          **layout_kwargs(spec))
+            plan = search(
+                task,
+                progress=not args.no_progress and sys.stderr.isatty(),
+                **{**search_kwargs(args), **({"compile_top": 0} if said is False else {})},
+                **layout_kwargs(spec),
+            )
         else:
             _check_device(args, plan)
             print(f"resuming the plan in {args.out}/plan.json (no search)")
@@ -234,11 +281,18 @@ class TrainCommand:
     def run(self, args: argparse.Namespace) -> int:
         from ._fit import train_plan
         from .planning import Plan
+
         task = load_task(args.model)
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
         _check_device(args, plan)
-        result = train_plan(task, plan, _with_plan(args, options, task, plan), vram=args.vram, launch=launch_spec(args),
-                            compile=_compile_said(args, task))
+        result = train_plan(
+            task,
+            plan,
+            _with_plan(args, options, task, plan),
+            vram=args.vram,
+            launch=launch_spec(args),
+            compile=_compile_said(args, task),
+        )
         _print_result(result)
         return 0

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -97,22 +98,43 @@ def check_data(task: Task, out: list[Finding], stats: dict[str, Any], *, items: 
     for k, x in enumerate(inputs):
         x = x.float()
         if not _finite(x):
-            _set(out, "data", "input_nonfinite", "error", f"input {k}: {int((~torch.isfinite(x)).sum())} non-finite values")
+            _set(
+                out,
+                "data",
+                "input_nonfinite",
+                "error",
+                f"input {k}: {int((~torch.isfinite(x)).sum())} non-finite values",
+            )
             continue
         peak = float(x.abs().max()) if x.numel() else 0.0
-        info[f"input{k}"] = {"min": float(x.min()), "max": float(x.max()), "mean": float(x.mean()), "std": float(x.std())}
+        info[f"input{k}"] = {
+            "min": float(x.min()),
+            "max": float(x.max()),
+            "mean": float(x.mean()),
+            "std": float(x.std()),
+        }
         if peak > 100:
             _set(out, "data", "input_scale", "warning", f"input {k} reaches {peak:.4g} (mean {float(x.mean()):.3g})")
         if x.dim() >= 2 and x.shape[0] > 1:
-            const = (x.flatten(1).std(dim=0) == 0)
+            const = x.flatten(1).std(dim=0) == 0
             share = float(const.float().mean())
             info[f"input{k}"]["constant_features"] = int(const.sum())
             if share >= 0.5:
-                _set(out, "data", "constant_features", "warning",
-                     f"input {k}: {int(const.sum())} of {const.numel()} features are constant over {n} items")
+                _set(
+                    out,
+                    "data",
+                    "constant_features",
+                    "warning",
+                    f"input {k}: {int(const.sum())} of {const.numel()} features are constant over {n} items",
+                )
             elif const.any():
-                _set(out, "data", "constant_features", "info",
-                     f"input {k}: {int(const.sum())} of {const.numel()} features are constant over {n} items")
+                _set(
+                    out,
+                    "data",
+                    "constant_features",
+                    "info",
+                    f"input {k}: {int(const.sum())} of {const.numel()} features are constant over {n} items",
+                )
     # One label per item (classification); token targets of a sequence model are as skewed
     # as the language itself, which is no bug.
     if labels is not None and labels.dim() == 1:
@@ -122,8 +144,13 @@ def check_data(task: Task, out: list[Finding], stats: dict[str, Any], *, items: 
         if len(present) == 1:
             _set(out, "data", "label_imbalance", "error", f"all {n} items have label {int(counts.argmax())}")
         elif len(present) and float(present.max()) >= 10 * float(present.min()):
-            _set(out, "data", "label_imbalance", "warning",
-                 f"the commonest label has {int(present.max())} items, the rarest {int(present.min())} (of {n})")
+            _set(
+                out,
+                "data",
+                "label_imbalance",
+                "warning",
+                f"the commonest label has {int(present.max())} items, the rarest {int(present.min())} (of {n})",
+            )
     stats["data"] = info
 
 
@@ -132,9 +159,12 @@ def _first_nonfinite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
 
     def hook(name: str):
         def fn(_m: nn.Module, _inp: Any, output: Any) -> None:
-            if not found and any(isinstance(t, torch.Tensor) and t.is_floating_point() and not _finite(t)
-                                 for t in tree_flatten(output)[0]):
+            if not found and any(
+                isinstance(t, torch.Tensor) and t.is_floating_point() and not _finite(t)
+                for t in tree_flatten(output)[0]
+            ):
                 found.append(name or type(model).__name__)
+
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
@@ -149,8 +179,9 @@ def _first_nonfinite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
 
 def check_outputs(task: Task, model: nn.Module, batch: Any, out: list[Finding], stats: dict[str, Any]) -> None:
     outputs: list[torch.Tensor] = []
-    handle = model.register_forward_hook(lambda _m, _i, o: outputs.extend(
-        t for t in tree_flatten(o)[0] if isinstance(t, torch.Tensor)))
+    handle = model.register_forward_hook(
+        lambda _m, _i, o: outputs.extend(t for t in tree_flatten(o)[0] if isinstance(t, torch.Tensor))
+    )
     try:
         with torch.no_grad():
             loss = task.compute_loss(model, batch)
@@ -159,13 +190,22 @@ def check_outputs(task: Task, model: nn.Module, batch: Any, out: list[Finding], 
     floats = [t.float() for t in outputs if t.is_floating_point()]
     if floats:
         y = floats[0]
-        stats["outputs"] = {"mean": float(y.nan_to_num().mean()), "std": float(y.nan_to_num().std()) if y.numel() > 1 else 0.0,
-                            "abs_max": float(y.nan_to_num().abs().max()), "shape": list(y.shape)}
+        stats["outputs"] = {
+            "mean": float(y.nan_to_num().mean()),
+            "std": float(y.nan_to_num().std()) if y.numel() > 1 else 0.0,
+            "abs_max": float(y.nan_to_num().abs().max()),
+            "shape": list(y.shape),
+        }
     stats["initial_loss"] = float(loss)
     if any(not _finite(t) for t in floats) or not _finite(loss):
         where = _first_nonfinite_module(model, lambda: task.compute_loss(model, batch))
-        _set(out, "outputs", "nan_output", "error",
-             f"first non-finite values come out of {where!r}" if where else f"the loss is {float(loss)}")
+        _set(
+            out,
+            "outputs",
+            "nan_output",
+            "error",
+            f"first non-finite values come out of {where!r}" if where else f"the loss is {float(loss)}",
+        )
         return
     _inputs, labels = _inputs_and_labels(batch)
     if labels is not None and floats and floats[0].dim() >= 2:
@@ -173,16 +213,26 @@ def check_outputs(task: Task, model: nn.Module, batch: Any, out: list[Finding], 
         chance = math.log(max(classes, 2))
         stats["chance_loss"] = chance
         if float(loss) > 3 * chance + 1:
-            _set(out, "outputs", "initial_loss", "warning",
-                 f"initial loss {float(loss):.3g} against {chance:.3g} for {classes} classes at random")
+            _set(
+                out,
+                "outputs",
+                "initial_loss",
+                "warning",
+                f"initial loss {float(loss):.3g} against {chance:.3g} for {classes} classes at random",
+            )
 
 
 def _grad_norms(model: nn.Module) -> dict[str, float | None]:
-    return {n: (None if p.grad is None else float(p.grad.detach().float().norm()))
-            for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        n: (None if p.grad is None else float(p.grad.detach().float().norm()))
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
-def check_gradients(norms: dict[str, float | None], model: nn.Module, out: list[Finding], stats: dict[str, Any]) -> None:
+def check_gradients(
+    norms: dict[str, float | None], model: nn.Module, out: list[Finding], stats: dict[str, Any]
+) -> None:
     weights = {n: float(p.detach().float().norm()) for n, p in model.named_parameters() if p.requires_grad}
     stats["grad_norms"] = norms
     bad = [n for n, g in norms.items() if g is not None and not math.isfinite(g)]
@@ -193,26 +243,47 @@ def check_gradients(norms: dict[str, float | None], model: nn.Module, out: list[
     big = {n: g for n, g in present.items() if g > _EXPLODING}
     if big:
         worst = max(big, key=big.__getitem__)
-        _set(out, "gradients", "exploding_grad", "warning",
-             f"{len(big)} tensors have gradient norms above {_EXPLODING:g}; largest {worst} ({big[worst]:.3g})")
+        _set(
+            out,
+            "gradients",
+            "exploding_grad",
+            "warning",
+            f"{len(big)} tensors have gradient norms above {_EXPLODING:g}; largest {worst} ({big[worst]:.3g})",
+        )
     ratios = {n: g / (weights[n] + 1e-12) for n, g in present.items() if g > 0 and weights[n] > 0}
     if ratios:
         top = max(ratios.values())
         small = [n for n, r in ratios.items() if r < _VANISHING_RATIO * top]
         if small:
-            _set(out, "gradients", "vanishing_grad", "warning",
-                 f"{', '.join(small[:5])}: gradient/weight {min(ratios[n] for n in small):.2g} against {top:.2g} elsewhere")
+            _set(
+                out,
+                "gradients",
+                "vanishing_grad",
+                "warning",
+                f"{', '.join(small[:5])}: gradient/weight {min(ratios[n] for n in small):.2g} against {top:.2g} elsewhere",
+            )
 
 
 def check_dead(seen: dict[str, bool], out: list[Finding], steps: int) -> None:
     dead = [n for n, ok in seen.items() if not ok]
     if dead:
-        _set(out, "gradients", "dead_params", "warning",
-             f"{len(dead)} parameter tensors got no (or only zero) gradient in {steps} steps: {', '.join(dead[:6])}")
+        _set(
+            out,
+            "gradients",
+            "dead_params",
+            "warning",
+            f"{len(dead)} parameter tensors got no (or only zero) gradient in {steps} steps: {', '.join(dead[:6])}",
+        )
 
 
-def _train_steps(task: Task, model: nn.Module, batches: Callable[[int], Any], steps: int,
-                 seen: dict[str, bool] | None = None, done: Callable[[list[float]], bool] | None = None) -> list[float]:
+def _train_steps(
+    task: Task,
+    model: nn.Module,
+    batches: Callable[[int], Any],
+    steps: int,
+    seen: dict[str, bool] | None = None,
+    done: Callable[[list[float]], bool] | None = None,
+) -> list[float]:
     optimizer = task.make_optimizer(model)
     losses = []
     for step in range(steps):
@@ -242,8 +313,15 @@ def _eval_loss(task: Task, model: nn.Module, batch: Any) -> float:
     return value
 
 
-def check_overfit(task: Task, model: nn.Module, batch: Any, steps: int, out: list[Finding],
-                  stats: dict[str, Any], seen: dict[str, bool]) -> None:
+def check_overfit(
+    task: Task,
+    model: nn.Module,
+    batch: Any,
+    steps: int,
+    out: list[Finding],
+    stats: dict[str, Any],
+    seen: dict[str, bool],
+) -> None:
     # Judged in eval mode (dropout off), every 10 steps: memorised once that loss is a tenth
     # of the start, and the remaining steps would only confirm it. BatchNorm's running
     # statistics lag the training loss by a few dozen steps, hence eval mode, not the last loss.
@@ -258,8 +336,13 @@ def check_overfit(task: Task, model: nn.Module, batch: Any, steps: int, out: lis
     final = _eval_loss(task, model, batch)
     stats["overfit_final_loss"] = final
     if losses and final > 0.1 * losses[0] and final > 1e-3:
-        _set(out, "overfit", "no_overfit", "warning",
-             f"loss {losses[0]:.3g} -> {final:.3g} after {len(losses)} steps on one batch (expected below {0.1 * losses[0]:.3g})")
+        _set(
+            out,
+            "overfit",
+            "no_overfit",
+            "warning",
+            f"loss {losses[0]:.3g} -> {final:.3g} after {len(losses)} steps on one batch (expected below {0.1 * losses[0]:.3g})",
+        )
 
 
 def check_signal(task: Task, device: str, seed: int, steps: int, out: list[Finding], stats: dict[str, Any]) -> None:
@@ -289,10 +372,20 @@ def check_signal(task: Task, device: str, seed: int, steps: int, out: list[Findi
 
     losses = _train_steps(task, model, batches, steps)
     after = held_loss()
-    stats["signal"] = {"held_out_before": before, "held_out_after": after, "train_first": losses[:1], "train_last": losses[-1:]}
+    stats["signal"] = {
+        "held_out_before": before,
+        "held_out_after": after,
+        "train_first": losses[:1],
+        "train_last": losses[-1:],
+    }
     if math.isfinite(after) and after > 0.95 * before:
-        _set(out, "signal", "no_signal", "warning",
-             f"held-out loss {before:.3g} -> {after:.3g} after {steps} training steps ({held} held-out items)")
+        _set(
+            out,
+            "signal",
+            "no_signal",
+            "warning",
+            f"held-out loss {before:.3g} -> {after:.3g} after {steps} training steps ({held} held-out items)",
+        )
 
 
 _SMALL_STEP_S = 0.01
@@ -303,15 +396,24 @@ def loader_finding(load_s: float, step_s: float) -> Finding | None:
     step, the loader's fixed cost per batch shows for any dataset: a note, not a problem."""
     if step_s > 0 and load_s >= step_s:
         severity = "warning" if step_s >= _SMALL_STEP_S else "info"
-        return Finding("loader", "input_bound", severity,
-                       f"a batch takes {load_s * 1e3:.3g} ms to load and {step_s * 1e3:.3g} ms to train on")
+        return Finding(
+            "loader",
+            "input_bound",
+            severity,
+            f"a batch takes {load_s * 1e3:.3g} ms to load and {step_s * 1e3:.3g} ms to train on",
+        )
     return None
 
 
-def check_loader(task: Task, model: nn.Module, device: str, out: list[Finding], stats: dict[str, Any], batches: int = 8) -> None:
+def check_loader(
+    task: Task, model: nn.Module, device: str, out: list[Finding], stats: dict[str, Any], batches: int = 8
+) -> None:
     batch_size = int(task.settings.get("global_batch", 32))
-    loader = DataLoader(Subset(task.dataset(), range(min(task.dataset_size() or 0, batch_size * batches))),
-                        batch_size=batch_size, collate_fn=task.collate)
+    loader = DataLoader(
+        Subset(task.dataset(), range(min(task.dataset_size() or 0, batch_size * batches))),
+        batch_size=batch_size,
+        collate_fn=task.collate,
+    )
     start = time.perf_counter()
     loaded = [b for b in loader]
     load_s = (time.perf_counter() - start) / max(len(loaded), 1)
@@ -328,8 +430,15 @@ def check_loader(task: Task, model: nn.Module, device: str, out: list[Finding], 
         out.append(finding)
 
 
-def doctor(model: Task | str, *, device: str = "cpu", steps: int = 300, signal_steps: int = 60, seed: int = 0,
-           checks: tuple[str, ...] = CHECKS) -> DoctorReport:
+def doctor(
+    model: Task | str,
+    *,
+    device: str = "cpu",
+    steps: int = 300,
+    signal_steps: int = 60,
+    seed: int = 0,
+    checks: tuple[str, ...] = CHECKS,
+) -> DoctorReport:
     """Run the checks on a model file (or :class:`Task`) and return what they found.
 
     ``steps``: the most steps of overfitting one batch (it stops once memorised: a

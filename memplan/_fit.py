@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.nn as nn
 
@@ -121,26 +122,41 @@ def fit(
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
     >>> plan, result = fit(module, train_data=ds, val_data=val, vram="1GB", epochs=5)  # doctest: +SKIP
     """
-    task = resolve_task(model, sample, train_data=train_data, val_data=val_data, loss=loss, optimizer=optimizer,
-                        scheduler=scheduler)
+    task = resolve_task(
+        model, sample, train_data=train_data, val_data=val_data, loss=loss, optimizer=optimizer, scheduler=scheduler
+    )
     if task.train_data is None:
-        raise ConfigError(f"fit({task.name}) trains on data: pass train_data= (a Dataset), or a model file that "
-                          "defines train_data()")
+        raise ConfigError(
+            f"fit({task.name}) trains on data: pass train_data= (a Dataset), or a model file that defines train_data()"
+        )
     if options is not None and option_values:
         raise ConfigError(f"give TrainOptions or its fields as keywords, not both ({', '.join(option_values)})")
     opts = options or _options_from(task, option_values)
     task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
     plan = resumed_plan(opts.out_dir) if opts.resume else None
     # TrainOptions(compile=False) cannot be told from the default: only compile=True is a word said.
-    said = (True if options.compile else None) if options is not None else compile_said(option_values, dict(task.settings))
+    said = (
+        (True if options.compile else None) if options is not None else compile_said(option_values, dict(task.settings))
+    )
     if said is False:
         compile_top = 0  # compiled probes would measure what will not be trained
     if plan is None:
-        plan = search(task, vram=vram, global_batch=global_batch, device=device, trials=trials,
-                      probe_top=probe_top, compile_top=compile_top, seed=seed, storage=storage, precisions=precisions,
-                      shape_policy=shape_policy,
-                      micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments,
-                      **layout_kwargs(launch))
+        plan = search(
+            task,
+            vram=vram,
+            global_batch=global_batch,
+            device=device,
+            trials=trials,
+            probe_top=probe_top,
+            compile_top=compile_top,
+            seed=seed,
+            storage=storage,
+            precisions=precisions,
+            shape_policy=shape_policy,
+            micro_batch_sizes=micro_batch_sizes,
+            checkpoint_segments=checkpoint_segments,
+            **layout_kwargs(launch),
+        )
     opts = replace(opts, device=plan.device, seed=seed)
     return plan, train_plan(task, plan, opts, launch=launch, compile=said)
 
@@ -148,14 +164,18 @@ def fit(
 def _options_from(task: Task, values: dict[str, Any]) -> TrainOptions:
     """``TrainOptions`` from keywords over the task's settings, each checked by name."""
     from ._options import option_specs, resolve_options
+
     known = {spec.name for spec in option_specs()} | {"out_dir", "resume", "progress"}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"fit() got unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"fit() got unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
     fixed = {k: values.pop(k) for k in ("out_dir", "resume", "progress") if k in values}
-    options = resolve_options(config=values, config_name="fit()", settings=task.settings, settings_name=task.name,
-                              **fixed)
+    options = resolve_options(
+        config=values, config_name="fit()", settings=task.settings, settings_name=task.name, **fixed
+    )
     return options
 
 
@@ -174,8 +194,10 @@ def layout_kwargs(launch: LaunchSpec | None, *, gpus: int | None = None, nodes: 
     if gpus * nodes == 1:
         return {}
     if "gpus" not in inspect.signature(search).parameters:
-        raise ConfigError("this memplan's search plans one device only; train a DDP/FSDP plan file with "
-                          "memplan train MODEL.py --plan plan.json --nproc N")
+        raise ConfigError(
+            "this memplan's search plans one device only; train a DDP/FSDP plan file with "
+            "memplan train MODEL.py --plan plan.json --nproc N"
+        )
     return {"gpus": gpus, "nodes": nodes}
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from estimators import format_size
 
@@ -61,8 +62,10 @@ def _num(v: Any) -> float | None:
 
 def _config_text(c: Mapping[str, Any]) -> str:
     layout = "" if c.get("strategy", "single") == "single" else f", {c['strategy']} x{c.get('world_size')}"
-    return (f"micro-batch {c.get('micro_batch_size')} x{c.get('grad_accum_steps')} accumulation, "
-            f"{c.get('precision')}, {c.get('checkpoint_segments')} checkpointed blocks{layout}")
+    return (
+        f"micro-batch {c.get('micro_batch_size')} x{c.get('grad_accum_steps')} accumulation, "
+        f"{c.get('precision')}, {c.get('checkpoint_segments')} checkpointed blocks{layout}"
+    )
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, left: int = 0, marked: int | None = None) -> str:
@@ -80,16 +83,42 @@ def _plan_section(plan: Mapping[str, Any] | None, summary: Mapping[str, Any] | N
     rows = []
     for k, e in enumerate(plan.get("entries", [])[:15], 1):
         c, pred, meas = e["config"], e["predicted"], e.get("measured")
-        rows.append([k, c["micro_batch_size"], c["grad_accum_steps"], c["precision"], c["checkpoint_segments"],
-                     c.get("strategy", "single"), format_size(pred["peak_allocated_bytes"]),
-                     format_size(meas["peak_allocated_bytes"]) if meas else "-",
-                     f"{e['samples_per_s']:,.1f}", e.get("probe_status") or ("measured" if meas else "predicted")])
+        rows.append(
+            [
+                k,
+                c["micro_batch_size"],
+                c["grad_accum_steps"],
+                c["precision"],
+                c["checkpoint_segments"],
+                c.get("strategy", "single"),
+                format_size(pred["peak_allocated_bytes"]),
+                format_size(meas["peak_allocated_bytes"]) if meas else "-",
+                f"{e['samples_per_s']:,.1f}",
+                e.get("probe_status") or ("measured" if meas else "predicted"),
+            ]
+        )
     target = plan.get("gpu") or plan.get("device")
-    head = (f"<h2>Plan</h2><p>for <b>{escape(str(target))}</b>, budget {format_size(plan['budget_bytes'])} "
-            f"(margin {plan['margin']:.0%}); {len(plan.get('entries', []))} feasible of {plan.get('trials')} "
-            "configurations estimated. Row 1 is the chosen configuration.</p>")
-    table = _table(["#", "micro", "accum", "precision", "ckpt", "strategy", "predicted peak", "measured peak",
-                    "samples/s", "source"], rows, marked=0)
+    head = (
+        f"<h2>Plan</h2><p>for <b>{escape(str(target))}</b>, budget {format_size(plan['budget_bytes'])} "
+        f"(margin {plan['margin']:.0%}); {len(plan.get('entries', []))} feasible of {plan.get('trials')} "
+        "configurations estimated. Row 1 is the chosen configuration.</p>"
+    )
+    table = _table(
+        [
+            "#",
+            "micro",
+            "accum",
+            "precision",
+            "ckpt",
+            "strategy",
+            "predicted peak",
+            "measured peak",
+            "samples/s",
+            "source",
+        ],
+        rows,
+        marked=0,
+    )
     trained = ""
     if summary and summary.get("config") and plan.get("entries"):
         chosen = plan["entries"][0]["config"]
@@ -118,34 +147,81 @@ def _memory_section(summary: Mapping[str, Any] | None, steps: list[dict[str, Any
     by_step = [_num(r.get("peak_memory_bytes")) for r in steps]
     if any(p for p in by_step):
         hl = [("predicted peak", float(predicted))] if predicted else []
-        charts.append(line_chart([Series("measured peak", xs, [p / 1e6 if p else None for p in by_step])],
-                                 title="measured peak memory by step", xlabel="step", ylabel="MB",
-                                 hlines=[(n, v / 1e6) for n, v in hl]))
+        charts.append(
+            line_chart(
+                [Series("measured peak", xs, [p / 1e6 if p else None for p in by_step])],
+                title="measured peak memory by step",
+                xlabel="step",
+                ylabel="MB",
+                hlines=[(n, v / 1e6) for n, v in hl],
+            )
+        )
     return "<h2>Memory</h2>" + text + "<div class='charts'>" + "".join(charts) + "</div>"
 
 
 def _curves_section(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
     xs = [r["step"] for r in steps]
-    charts = [line_chart([Series("train loss", xs, [_num(r.get("loss")) for r in steps]),
-                          *([Series("val loss", [r["step"] for r in evals], [_num(r.get("val_loss")) for r in evals])]
-                            if evals else [])], title="loss", xlabel="step")]
-    metric_keys = sorted({k for r in evals for k in r if k.startswith("val_") and k != "val_loss"
-                          and _num(r.get(k)) is not None})
+    charts = [
+        line_chart(
+            [
+                Series("train loss", xs, [_num(r.get("loss")) for r in steps]),
+                *(
+                    [Series("val loss", [r["step"] for r in evals], [_num(r.get("val_loss")) for r in evals])]
+                    if evals
+                    else []
+                ),
+            ],
+            title="loss",
+            xlabel="step",
+        )
+    ]
+    metric_keys = sorted(
+        {k for r in evals for k in r if k.startswith("val_") and k != "val_loss" and _num(r.get(k)) is not None}
+    )
     for key in metric_keys:
-        charts.append(line_chart([Series(key, [r["step"] for r in evals], [_num(r.get(key)) for r in evals])],
-                                 title=key.replace("_", " "), xlabel="step"))
-    charts.append(line_chart([Series("learning rate", xs, [_num(r.get("lr")) for r in steps])],
-                             title="learning rate", xlabel="step"))
-    charts.append(line_chart([Series("samples/s", xs, [_num(r.get("samples_per_s")) for r in steps])],
-                             title="throughput", xlabel="step", ylabel="samples/s"))
+        charts.append(
+            line_chart(
+                [Series(key, [r["step"] for r in evals], [_num(r.get(key)) for r in evals])],
+                title=key.replace("_", " "),
+                xlabel="step",
+            )
+        )
+    charts.append(
+        line_chart(
+            [Series("learning rate", xs, [_num(r.get("lr")) for r in steps])], title="learning rate", xlabel="step"
+        )
+    )
+    charts.append(
+        line_chart(
+            [Series("samples/s", xs, [_num(r.get("samples_per_s")) for r in steps])],
+            title="throughput",
+            xlabel="step",
+            ylabel="samples/s",
+        )
+    )
     norms = [r for r in steps if isinstance(r.get("layer_grad_norms"), dict)]
     if norms:
         layers = list(norms[-1]["layer_grad_norms"])[:10]
-        charts.append(line_chart([Series(name, [r["step"] for r in norms],
-                                         [_num(r["layer_grad_norms"].get(name)) for r in norms]) for name in layers],
-                                 title="gradient norm per layer", xlabel="step", log_y=True))
-    gpu = [(k, t) for k, t in (("gpu_util_percent", "GPU utilisation (%)"), ("gpu_power_watts", "GPU power (W)"),
-                               ("gpu_temperature_c", "GPU temperature (C)")) if any(k in r for r in steps)]
+        charts.append(
+            line_chart(
+                [
+                    Series(name, [r["step"] for r in norms], [_num(r["layer_grad_norms"].get(name)) for r in norms])
+                    for name in layers
+                ],
+                title="gradient norm per layer",
+                xlabel="step",
+                log_y=True,
+            )
+        )
+    gpu = [
+        (k, t)
+        for k, t in (
+            ("gpu_util_percent", "GPU utilisation (%)"),
+            ("gpu_power_watts", "GPU power (W)"),
+            ("gpu_temperature_c", "GPU temperature (C)"),
+        )
+        if any(k in r for r in steps)
+    ]
     for key, title in gpu:
         charts.append(line_chart([Series(key, xs, [_num(r.get(key)) for r in steps])], title=title, xlabel="step"))
     return "<h2>Training curves</h2><div class='charts'>" + "".join(charts) + "</div>"
@@ -158,8 +234,15 @@ def _oom_section(records: list[dict[str, Any]], summary: Mapping[str, Any] | Non
     rows = []
     for e in events:
         frm, to = e.get("from"), e.get("to")
-        rows.append([e.get("step"), e.get("phase", ""), _config_text(frm) if isinstance(frm, dict) else frm,
-                     _config_text(to) if isinstance(to, dict) else to, f"{_num(e.get('seconds')) or 0:.2f} s"])
+        rows.append(
+            [
+                e.get("step"),
+                e.get("phase", ""),
+                _config_text(frm) if isinstance(frm, dict) else frm,
+                _config_text(to) if isinstance(to, dict) else to,
+                f"{_num(e.get('seconds')) or 0:.2f} s",
+            ]
+        )
     return "<h2>Out-of-memory switches</h2>" + _table(["step", "phase", "from", "to", "recovery"], rows, left=4)
 
 
@@ -183,18 +266,28 @@ def render_report(out_dir: str | Path) -> str:
     steps = [r for r in records if r.get("type") == "step" and isinstance(r.get("step"), int)]
     evals = [r for r in records if r.get("type") == "eval" and isinstance(r.get("step"), int)]
     task = (summary or {}).get("task", out.name)
-    final = ", ".join(f"{k} {v:.4g}" for k, v in ((summary or {}).get("final_metrics") or {}).items()
-                      if isinstance(v, (int, float)))
+    final = ", ".join(
+        f"{k} {v:.4g}" for k, v in ((summary or {}).get("final_metrics") or {}).items() if isinstance(v, (int, float))
+    )
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = (f"<h1>memplan run: {escape(str(task))}</h1><p class='note'>written {when}; device "
-            f"{escape(str((summary or {}).get('device', '?')))}, torch {escape(str((summary or {}).get('torch', '?')))}; "
-            f"{(summary or {}).get('steps', len(steps))} steps in {(summary or {}).get('wall_s', 0):.1f} s"
-            f"{'; ' + escape(final) if final else ''}</p>")
-    body = [head, _plan_section(plan, summary),
-            _memory_section(summary, steps, plan.get("budget_bytes") if plan else None),
-            _curves_section(steps, evals), _oom_section(records, summary), _doctor_section(doctor)]
-    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>memplan run report</title>"
-            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
+    head = (
+        f"<h1>memplan run: {escape(str(task))}</h1><p class='note'>written {when}; device "
+        f"{escape(str((summary or {}).get('device', '?')))}, torch {escape(str((summary or {}).get('torch', '?')))}; "
+        f"{(summary or {}).get('steps', len(steps))} steps in {(summary or {}).get('wall_s', 0):.1f} s"
+        f"{'; ' + escape(final) if final else ''}</p>"
+    )
+    body = [
+        head,
+        _plan_section(plan, summary),
+        _memory_section(summary, steps, plan.get("budget_bytes") if plan else None),
+        _curves_section(steps, evals),
+        _oom_section(records, summary),
+        _doctor_section(doctor),
+    ]
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>memplan run report</title>"
+        f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>"
+    )
 
 
 def write_report(out_dir: str | Path) -> Path:

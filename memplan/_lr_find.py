@@ -25,8 +25,16 @@ import torch
 from torch.utils._pytree import tree_map
 
 from estimators import (
-    ConfigError, Task, TrainConfig, backward, forward_context, load_task, make_grad_scaler, normalize_precision,
-    optimizer_step, parse_count,
+    ConfigError,
+    Task,
+    TrainConfig,
+    backward,
+    forward_context,
+    load_task,
+    make_grad_scaler,
+    normalize_precision,
+    optimizer_step,
+    parse_count,
 )
 
 __all__ = ["LrFindResult", "lr_find", "suggest", "add_lr_find_arguments", "run_lr_find"]
@@ -169,26 +177,42 @@ def _float(text: str, what: str) -> float:
 
 def run_lr_find(args: argparse.Namespace) -> int:
     import json
+
     config: TrainConfig | None = None
     if args.plan:
         from .planning import Plan
+
         config = Plan.load(args.plan).config
-    batch = parse_count(args.batch_size, what="--batch-size") if args.batch_size else (config.micro_batch_size if config else None)
+    batch = (
+        parse_count(args.batch_size, what="--batch-size")
+        if args.batch_size
+        else (config.micro_batch_size if config else None)
+    )
     precision = args.precision or (config.precision if config else "fp32")
     if args.plot:
         from ._plots import require_matplotlib
+
         require_matplotlib()
-    result = lr_find(args.model, batch_size=batch, precision=precision, device=args.device,
-                     start_lr=_float(args.start_lr, "--start-lr"), end_lr=_float(args.end_lr, "--end-lr"),
-                     steps=parse_count(args.steps, what="--steps"), rule=args.rule)
+    result = lr_find(
+        args.model,
+        batch_size=batch,
+        precision=precision,
+        device=args.device,
+        start_lr=_float(args.start_lr, "--start-lr"),
+        end_lr=_float(args.end_lr, "--end-lr"),
+        steps=parse_count(args.steps, what="--steps"),
+        rule=args.rule,
+    )
     if args.plot:
         plot_lr_find(result, args.plot)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(f"suggested learning rate {result.suggestion:.3g} ({result.rule}); swept {result.lrs[0]:.2g} to "
-              f"{result.lrs[-1]:.2g} in {len(result.lrs)} steps of batch {result.batch_size}"
-              + ("; stopped where the loss diverged" if result.diverged else ""))
+        print(
+            f"suggested learning rate {result.suggestion:.3g} ({result.rule}); swept {result.lrs[0]:.2g} to "
+            f"{result.lrs[-1]:.2g} in {len(result.lrs)} steps of batch {result.batch_size}"
+            + ("; stopped where the loss diverged" if result.diverged else "")
+        )
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0

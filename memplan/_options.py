@@ -22,9 +22,10 @@ import inspect
 import json
 import sys
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from estimators import ConfigError
 
@@ -198,8 +199,15 @@ def _typed(spec: OptionSpec, value: Any) -> Any:
     return value
 
 
-_EXPECTS = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string",
-            "path": "a path", "mapping": "a JSON object", "ints": "comma-separated whole numbers"}
+_EXPECTS = {
+    "int": "a whole number",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "path": "a path",
+    "mapping": "a JSON object",
+    "ints": "comma-separated whole numbers",
+}
 
 
 def _checked(spec: OptionSpec, value: Any, origin: str) -> Any:
@@ -213,6 +221,7 @@ def _checked(spec: OptionSpec, value: Any, origin: str) -> Any:
 def _build(values: dict[str, Any], origins: Mapping[str, str]) -> TrainOptions:
     """``TrainOptions(**values)``; its error names each option where it was given."""
     import re
+
     try:
         return TrainOptions(**values)
     except ConfigError as exc:
@@ -233,6 +242,7 @@ def _read(spec: OptionSpec, value: Any, origin: str, *, text: bool) -> Any:
 
 # -- the three ways in ------------------------------------------------------------------------
 
+
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (default: not given), in a group of their own."""
     group = parser.add_argument_group("training options (also config keys and model-file settings)")
@@ -240,8 +250,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         first = _first_sentence(spec.help).replace("%", "%%")
         flags = [spec.flag, *_ALIASES.get(spec.name, ())]
         if spec.kind == "bool" and not spec.optional:
-            group.add_argument(*flags, dest=spec.dest, action=argparse.BooleanOptionalAction, default=None,
-                               help=first)
+            group.add_argument(*flags, dest=spec.dest, action=argparse.BooleanOptionalAction, default=None, help=first)
         else:
             metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.kind.upper()
             group.add_argument(*flags, dest=spec.dest, default=None, metavar=metavar, help=first)
@@ -253,6 +262,7 @@ _ALIASES = {"ema_decay": ("--ema",), "early_stopping_patience": ("--early-stoppi
 
 def _first_sentence(text: str) -> str:
     import re
+
     first = re.split(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z`(])", text)[0].rstrip(".")
     return first.replace("``", "")
 
@@ -289,14 +299,22 @@ def read_config(path: str | Path) -> dict[str, Any]:
     known = [s.name for s in option_specs()] + list(SEARCH_KEYS)
     unknown = [k for k in data if k not in known]
     if unknown:
-        raise ConfigError(f"{p.name}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                          f"known keys: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"{p.name}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"known keys: {', '.join(sorted(known))}"
+        )
     return data
 
 
-def resolve_options(*, cli: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None,
-                    config_name: str = "config", settings: Mapping[str, Any] | None = None,
-                    settings_name: str = "the model file", **fixed: Any) -> TrainOptions:
+def resolve_options(
+    *,
+    cli: Mapping[str, str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    config_name: str = "config",
+    settings: Mapping[str, Any] | None = None,
+    settings_name: str = "the model file",
+    **fixed: Any,
+) -> TrainOptions:
     """``TrainOptions`` from the command line's strings (by field name), the config file's
     values, the model file's ``settings`` and ``fixed`` fields (out_dir, device, …), in that
     order of precedence (``fixed`` first: the command says them explicitly)."""
@@ -328,9 +346,13 @@ def resolve_options(*, cli: Mapping[str, str] | None = None, config: Mapping[str
 
 def config_template() -> str:
     """A commented config file naming every key with its default and what it does."""
-    lines = ["# memplan config: `memplan fit model.py --config memplan.toml`.",
-             "# Command-line flags override these; these override the model file's `settings`.",
-             "# Every key is optional: uncomment what you want to set.", "", "# -- search --"]
+    lines = [
+        "# memplan config: `memplan fit model.py --config memplan.toml`.",
+        "# Command-line flags override these; these override the model file's `settings`.",
+        "# Every key is optional: uncomment what you want to set.",
+        "",
+        "# -- search --",
+    ]
     for key, what in SEARCH_KEYS.items():
         lines.append(f"# {key} = ...  # {what}")
     lines += ["", "# -- training --"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -195,10 +196,19 @@ def plan_figure(points: Sequence[PlanPoint], *, budget_bytes: int, limit: int, t
         ax.axvline(limit / scale, color="#d62728", linestyle=":", linewidth=1, label="budget minus margin")
     for p in points:
         if p.chosen:
-            ax.scatter([p.peak_bytes / scale], [p.samples_per_s], marker="*", s=320, color="#f28e2c",
-                       edgecolors="black", label=f"chosen: {p.label}", zorder=5)
+            ax.scatter(
+                [p.peak_bytes / scale],
+                [p.samples_per_s],
+                marker="*",
+                s=320,
+                color="#f28e2c",
+                edgecolors="black",
+                label=f"chosen: {p.label}",
+                zorder=5,
+            )
     ax.set_xscale("log")
     from matplotlib.ticker import FuncFormatter
+
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.set_xlabel("peak memory with the CUDA context where there is one (MB, log scale)")
@@ -213,8 +223,12 @@ def plot_plan(plan: Plan, estimates: Sequence[Estimate], path: str | Path) -> tu
     """Write the plan plot to ``path``; also return it as base64 PNG (for the study)."""
     limit = int(plan.budget_bytes * (1 - plan.margin))
     target = plan.gpu or plan.device
-    fig = plan_figure(plan_points(plan, estimates, limit), budget_bytes=plan.budget_bytes, limit=limit,
-                      title=f"{plan.trials} configurations on {target}")
+    fig = plan_figure(
+        plan_points(plan, estimates, limit),
+        budget_bytes=plan.budget_bytes,
+        limit=limit,
+        title=f"{plan.trials} configurations on {target}",
+    )
     png = figure_png(fig)
     return save_figure(fig, path), png
 
@@ -228,7 +242,19 @@ def record_plan_plot(plan: Plan, estimates: Sequence[Estimate], path: str | Path
     points = plan_points(plan, estimates, limit)
     front = set(pareto_front(points))
     study.set_user_attr("plan_plot_png", png)
-    study.set_user_attr("plan_points", [
-        {"config": p.label, "peak_bytes": p.peak_bytes, "samples_per_s": p.samples_per_s, "status": p.status,
-         "measured": p.measured, "chosen": p.chosen, "pareto": p in front} for p in points])
+    study.set_user_attr(
+        "plan_points",
+        [
+            {
+                "config": p.label,
+                "peak_bytes": p.peak_bytes,
+                "samples_per_s": p.samples_per_s,
+                "status": p.status,
+                "measured": p.measured,
+                "chosen": p.chosen,
+                "pareto": p in front,
+            }
+            for p in points
+        ],
+    )
     return out

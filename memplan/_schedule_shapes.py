@@ -7,7 +7,8 @@ steps, the warm-up included; ``plateau`` also observes the monitored metric.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -55,7 +56,9 @@ class _OneCycle(LRSchedule):
         if pct_start is not None and warmup_steps > 0:
             raise ConfigError("schedule 'onecycle': its rise is the warm-up; set warmup_steps or pct_start, not both")
         if anneal_strategy not in ("cos", "linear"):
-            raise ConfigError(f"schedule 'onecycle': anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
+            raise ConfigError(
+                f"schedule 'onecycle': anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}"
+            )
         self.div_factor = float(div_factor)
         self.final_div_factor = float(final_div_factor)
         # The rising phase *is* the warm-up; without one, pct_start of the run (Smith's 30%).
@@ -105,8 +108,15 @@ def _momentum_key(optimizer: torch.optim.Optimizer) -> str:
 
 
 class _Step(LRSchedule):
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
-                 step_size: int | None = None, gamma: float = 0.1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup_steps: int,
+        total_steps: int,
+        step_size: int | None = None,
+        gamma: float = 0.1,
+    ) -> None:
         self.step_size = int(step_size) if step_size else max(1, math.ceil((total_steps - warmup_steps) / 3))
         self.gamma = float(gamma)
         super().__init__(optimizer, warmup_steps=warmup_steps, total_steps=total_steps)
@@ -118,8 +128,15 @@ class _Step(LRSchedule):
 
 
 class _MultiStep(LRSchedule):
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int | None = None,
-                 milestones: Any = None, gamma: float = 0.1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup_steps: int,
+        total_steps: int | None = None,
+        milestones: Any = None,
+        gamma: float = 0.1,
+    ) -> None:
         self.milestones = _milestones(milestones)
         self.gamma = float(gamma)
         super().__init__(optimizer, warmup_steps=warmup_steps, total_steps=total_steps)
@@ -128,14 +145,18 @@ class _MultiStep(LRSchedule):
         if t < self.warmup_steps:
             return self.warmup_factor(t)
         passed = sum(1 for m in self.milestones if t - self.warmup_steps >= m)
-        return self.gamma ** passed
+        return self.gamma**passed
 
 
 def _milestones(value: Any) -> tuple[int, ...]:
     try:
         out = tuple(int(m) for m in value) if value is not None else ()
-        ok = bool(out) and all(m >= 1 for m in out) and list(out) == sorted(set(out)) and all(
-            float(m) == float(v) for m, v in zip(out, value))
+        ok = (
+            bool(out)
+            and all(m >= 1 for m in out)
+            and list(out) == sorted(set(out))
+            and all(float(m) == float(v) for m, v in zip(out, value))
+        )
     except (TypeError, ValueError):
         ok = False
     if not ok:
@@ -144,8 +165,14 @@ def _milestones(value: Any) -> tuple[int, ...]:
 
 
 class _Exponential(LRSchedule):
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int | None = None,
-                 gamma: float | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup_steps: int,
+        total_steps: int | None = None,
+        gamma: float | None = None,
+    ) -> None:
         if gamma is None or not 0.0 < float(gamma) <= 1.0:
             raise ConfigError(f"schedule 'exponential' needs gamma in (0, 1] (e.g. 0.999), got {gamma!r}")
         self.gamma = float(gamma)
@@ -158,8 +185,16 @@ class _Exponential(LRSchedule):
 
 
 class _CosineRestarts(LRSchedule):
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int | None = None,
-                 t_0: int | None = None, t_mult: int = 1, min_lr: float | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup_steps: int,
+        total_steps: int | None = None,
+        t_0: int | None = None,
+        t_mult: int = 1,
+        min_lr: float | None = None,
+    ) -> None:
         if not isinstance(t_0, int) or isinstance(t_0, bool) or t_0 < 1:
             raise ConfigError(f"schedule 'cosine_restarts' needs t_0, the first period in steps (>= 1), got {t_0!r}")
         if not isinstance(t_mult, int) or isinstance(t_mult, bool) or t_mult < 1:
@@ -191,10 +226,20 @@ class _Constant(LRSchedule):
 
 
 class _Plateau(LRSchedule):
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int | None = None,
-                 mode: Literal["min", "max"] = "min", factor: float = 0.5, patience: int = 2,
-                 threshold: float = 1e-4, min_lr_ratio: float | None = None, min_lr: float | None = None,
-                 cooldown: int = 0) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup_steps: int,
+        total_steps: int | None = None,
+        mode: Literal["min", "max"] = "min",
+        factor: float = 0.5,
+        patience: int = 2,
+        threshold: float = 1e-4,
+        min_lr_ratio: float | None = None,
+        min_lr: float | None = None,
+        cooldown: int = 0,
+    ) -> None:
         if mode not in ("min", "max"):
             raise ConfigError(f"plateau schedule: mode must be 'min' or 'max', got {mode!r}")
         if min_lr_ratio is not None and min_lr is not None:
@@ -231,7 +276,8 @@ class _Plateau(LRSchedule):
             return
         # Relative threshold, as ReduceLROnPlateau: tiny improvements do not reset patience.
         if self.best is None or (
-            metric < self.best * (1 - self.threshold) if self.mode == "min"
+            metric < self.best * (1 - self.threshold)
+            if self.mode == "min"
             else metric > self.best * (1 + self.threshold)
         ):
             self.best, self.bad_evaluations = metric, 0
@@ -247,8 +293,13 @@ class _Plateau(LRSchedule):
             self._apply()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_epoch": self.last_epoch, "scale": self.scale, "best": self.best,
-                "bad_evaluations": self.bad_evaluations, "cooldown_left": self.cooldown_left}
+        return {
+            "last_epoch": self.last_epoch,
+            "scale": self.scale,
+            "best": self.best,
+            "bad_evaluations": self.bad_evaluations,
+            "cooldown_left": self.cooldown_left,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scale = float(state.get("scale", 1.0))
@@ -259,7 +310,13 @@ class _Plateau(LRSchedule):
 
 
 SHAPES: dict[str, type[LRSchedule]] = {
-    "cosine": _Cosine, "onecycle": _OneCycle, "step": _Step, "multistep": _MultiStep,
-    "exponential": _Exponential, "cosine_restarts": _CosineRestarts, "plateau": _Plateau, "constant": _Constant,
+    "cosine": _Cosine,
+    "onecycle": _OneCycle,
+    "step": _Step,
+    "multistep": _MultiStep,
+    "exponential": _Exponential,
+    "cosine_restarts": _CosineRestarts,
+    "plateau": _Plateau,
+    "constant": _Constant,
 }
 """The schedule class of each built-in name."""

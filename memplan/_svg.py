@@ -4,9 +4,9 @@ page opens offline and in any browser (and without matplotlib installed)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Sequence
 
 __all__ = ["Series", "line_chart", "bar_chart", "PALETTE"]
 
@@ -87,7 +87,7 @@ def line_chart(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str
     if ylabel:
         out.append(f'<text x="12" y="{_T + ph / 2}" font-size="11" text-anchor="middle" '
                    f'transform="rotate(-90 12 {_T + ph / 2})">{escape(ylabel)}</text>')
-    for k, (label, value) in enumerate(hlines):
+    for label, value in hlines:
         if ok(value):
             y = sy(ty(value))
             out.append(f'<line x1="{_L}" x2="{_L + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d62728" '

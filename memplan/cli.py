@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from estimators import MemplanError
 
 from ._cli_commands import EstimateCommand, FitCommand, PlanCommand, ProbeCommand, TrainCommand
+from ._version import __version__
 
 __all__ = ["main"]
 
@@ -33,14 +34,19 @@ class InitCommand:
     name = "init"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("directory", nargs="?", default=".", help="where to write model.py and memplan.toml (default: here)")
+        p.add_argument(
+            "directory", nargs="?", default=".", help="where to write model.py and memplan.toml (default: here)"
+        )
         p.add_argument("--force", action="store_true", help="overwrite existing files")
 
     def run(self, args: argparse.Namespace) -> int:
         from ._init import write_templates
+
         for path in write_templates(args.directory, force=args.force):
             print(f"wrote {path}")
-        print(f"next: memplan fit {Path(args.directory) / 'model.py'} --config {Path(args.directory) / 'memplan.toml'} --vram 1GB")
+        print(
+            f"next: memplan fit {Path(args.directory) / 'model.py'} --config {Path(args.directory) / 'memplan.toml'} --vram 1GB"
+        )
         return 0
 
 
@@ -51,10 +57,12 @@ class DoctorCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from ._doctor_cli import add_doctor_arguments
+
         add_doctor_arguments(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from ._doctor_cli import run_doctor
+
         return run_doctor(args)
 
 
@@ -65,19 +73,35 @@ class LrFindCommand:
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from ._lr_find import add_lr_find_arguments
+
         add_lr_find_arguments(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from ._lr_find import run_lr_find
+
         return run_lr_find(args)
 
 
-_COMMANDS = {cmd.name: cmd for cmd in (EstimateCommand(), ProbeCommand(), PlanCommand(), FitCommand(), TrainCommand(),
-                                       InitCommand(), DoctorCommand(), LrFindCommand())}
+_COMMANDS = {
+    cmd.name: cmd
+    for cmd in (
+        EstimateCommand(),
+        ProbeCommand(),
+        PlanCommand(),
+        FitCommand(),
+        TrainCommand(),
+        InitCommand(),
+        DoctorCommand(),
+        LrFindCommand(),
+    )
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="memplan", description="Find the fastest training configuration that fits in memory, then train it.")
+    parser = _Parser(
+        prog="memplan", description="Find the fastest training configuration that fits in memory, then train it."
+    )
+    parser.add_argument("--version", action="version", version=f"memplan {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, cmd in _COMMANDS.items():
         p = sub.add_parser(name, help=(cmd.__doc__ or "").strip().splitlines()[0])
@@ -89,10 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
+def _torch_version() -> str:
+    # The installed torch decides the CPU kernels and the fake-tensor semantics an estimate rests on:
+    # a bug report needs both versions. Read from the package metadata, so --version imports nothing big.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """The config file's search keys fill the flags not written out; its training options
     are kept for ``_train_options`` in ``_cli_commands`` (below the flags, above the model file's settings)."""
     from ._options import SEARCH_KEYS, explicit_dests, read_config
+
     config = read_config(args.config)
     given = explicit_dests(parser, argv)
     for key in SEARCH_KEYS:

@@ -71,7 +71,9 @@ def init_weights(model: nn.Module, scheme: InitScheme = "xavier", *, std: float 
         try:
             nn.init.calculate_gain(nonlinearity)
         except ValueError:
-            raise ConfigError(f"init_weights: unknown nonlinearity {nonlinearity!r}; use e.g. 'relu', 'tanh', 'linear'") from None
+            raise ConfigError(
+                f"init_weights: unknown nonlinearity {nonlinearity!r}; use e.g. 'relu', 'tanh', 'linear'"
+            ) from None
     for module in model.modules():
         if isinstance(module, _WEIGHTED):
             _init_weight(module.weight, scheme, std, nonlinearity)

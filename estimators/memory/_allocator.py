@@ -82,8 +82,23 @@ from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterable
 
 from .._errors import ConfigError
-from ._blocks import (_MASK, _NO_CAPACITY_VA, _SHIFT, AllocatorStats, SimulatedOOM, _Block, _Pool, allocation_size,
-                      kLargeBuffer, kMinBlockSize, kMinLargeAlloc, kRoundLarge, kSmallBuffer, kSmallSize, round_size)
+from ._blocks import (
+    _MASK,
+    _NO_CAPACITY_VA,
+    _SHIFT,
+    AllocatorStats,
+    SimulatedOOM,
+    _Block,
+    _Pool,
+    allocation_size,
+    kLargeBuffer,
+    kMinBlockSize,
+    kMinLargeAlloc,
+    kRoundLarge,
+    kSmallBuffer,
+    kSmallSize,
+    round_size,
+)
 from ._segments import Segments
 
 __all__ = [

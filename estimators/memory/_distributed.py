@@ -32,15 +32,16 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..runtime._checkpoint import BlockFinder, find_block_stack
 from .._config import TrainConfig
 from .._errors import ConfigError
+from ..runtime._checkpoint import BlockFinder, find_block_stack
 from ..runtime._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
 
 __all__ = ["simulated_ranks", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
@@ -171,8 +172,11 @@ def fsdp_storage_events(on_alloc: Callable[[torch.Tensor], None], on_free: Calla
             on_free(tensor)
         original_free(tensor)
 
-    patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
-               (_fsdp_param_group, "alloc_storage", alloc_storage)]
+    patched = [
+        (_fsdp_param, "alloc_storage", alloc_storage),
+        (_fsdp_param, "free_storage", free_storage),
+        (_fsdp_param_group, "alloc_storage", alloc_storage),
+    ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patched if hasattr(mod, name)]
     try:
         for mod, name, fn in patched:
@@ -185,7 +189,11 @@ def fsdp_storage_events(on_alloc: Callable[[torch.Tensor], None], on_free: Calla
 
 
 def parallelize_simulated(
-    model: nn.Module, config: TrainConfig, *, finder: BlockFinder | None = None, mode: Any = None,
+    model: nn.Module,
+    config: TrainConfig,
+    *,
+    finder: BlockFinder | None = None,
+    mode: Any = None,
 ) -> nn.Module:
     """Wrap ``model`` for ``config.strategy`` inside :func:`simulated_ranks`: FSDP2 itself
     (``_parallel.apply_fsdp``), or :class:`EmulatedDDP` with ``_parallel.apply_ddp``'s options.
@@ -233,8 +241,9 @@ def fsdp_units(model: nn.Module, finder: BlockFinder | None = None) -> FsdpUnits
         numels.append(n)
         trainables.append(t)
     root = [p for p in dict.fromkeys(model.parameters()) if id(p) not in in_blocks]
-    return FsdpUnits(sum(p.numel() for p in root), tuple(numels),
-                     sum(p.numel() for p in root if p.requires_grad), tuple(trainables))
+    return FsdpUnits(
+        sum(p.numel() for p in root), tuple(numels), sum(p.numel() for p in root if p.requires_grad), tuple(trainables)
+    )
 
 
 def ddp_bucket_bytes(model: nn.Module, bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> list[int]:

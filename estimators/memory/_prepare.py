@@ -8,14 +8,14 @@ alive from the first forward on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from ..timing._timing import OpCosts, op_costs
-from ..tracing._trace import Trace
 from ..tracing._recorder import Category
+from ..tracing._trace import Trace
 from ._workspace import Source, WorkspaceFit
 
 __all__ = ["Prepared", "prepare"]
@@ -105,10 +105,16 @@ def _insert(inserts: list[tuple[int, int, int]], alloc_bytes: list[int], alloc_c
                 op_alloc[op] = index
             alloc_bytes.append(abs(nbytes))
             alloc_cat.append(int(Category.WORKSPACE))
-            out_alloc.append(index); out_sign.append(1); out_phase.append(phase)
+            out_alloc.append(index)
+            out_sign.append(1)
+            out_phase.append(phase)
             if nbytes >= 0:  # a kernel's scratch: freed when the op returns
-                out_alloc.append(index); out_sign.append(-1); out_phase.append(phase)
+                out_alloc.append(index)
+                out_sign.append(-1)
+                out_phase.append(phase)
             j += 1
         if i < len(ev_alloc):
-            out_alloc.append(ev_alloc[i]); out_sign.append(ev_sign[i]); out_phase.append(ev_phase[i])
+            out_alloc.append(ev_alloc[i])
+            out_sign.append(ev_sign[i])
+            out_phase.append(ev_phase[i])
     return out_alloc, out_sign, out_phase

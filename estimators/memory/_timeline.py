@@ -14,8 +14,8 @@ import numpy as np
 
 from .._config import TrainConfig
 from .._estimate import Estimator
-from ._replay import replay_sizes
 from ..tracing._recorder import Category
+from ._replay import replay_sizes
 
 __all__ = ["Timeline", "predicted_timeline"]
 

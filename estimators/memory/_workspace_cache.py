@@ -13,8 +13,17 @@ from typing import Any
 from .._config import TrainConfig
 from .._task import Task
 from ..tracing._trace import Trace
-from ._workspace import (Source, WorkspaceFit, aligned_sources, borrow_holds, borrowed_sources, fit_key,
-                         measure_fit, reference_config, workspaces_at)
+from ._workspace import (
+    Source,
+    WorkspaceFit,
+    aligned_sources,
+    borrow_holds,
+    borrowed_sources,
+    fit_key,
+    measure_fit,
+    reference_config,
+    workspaces_at,
+)
 
 __all__ = ["DIVERGED", "WorkspaceFits", "WorkspaceModel"]
 

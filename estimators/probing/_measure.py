@@ -21,8 +21,9 @@ import json
 import os
 import socket
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,8 +31,8 @@ import torch.nn as nn
 from .._config import TrainConfig
 from .._task import Task
 from ..runtime._build import BuiltModel, build_for_training
-from ..runtime._planned import PlannedSteps
 from ..runtime._options import StepOptions
+from ..runtime._planned import PlannedSteps
 from ..runtime._step import make_step_parts, train_step
 
 __all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_epoch_peak", "measure_distributed_peaks", "storage_bytes"]
@@ -238,8 +239,17 @@ def measure_distributed_peaks(model_path: str, configs: Sequence[TrainConfig], *
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _rank_main,
-            args=(world_size, _free_port(), os.path.abspath(model_path), [c.to_dict() for c in configs], steps, out_dir),
-            nprocs=world_size, join=True, start_method="spawn",
+            args=(
+                world_size,
+                _free_port(),
+                os.path.abspath(model_path),
+                [c.to_dict() for c in configs],
+                steps,
+                out_dir,
+            ),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
         )
         per_rank = []
         for rank in range(world_size):

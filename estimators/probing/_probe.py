@@ -74,9 +74,10 @@ import pickle
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from .._config import TrainConfig
 from .._errors import ConfigError, ProbeError

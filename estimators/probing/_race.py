@@ -46,8 +46,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .._config import TrainConfig
 from .._errors import ConfigError

@@ -27,7 +27,8 @@ How ``checkpoint_segments = N`` maps onto a model:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

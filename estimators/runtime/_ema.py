@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn as nn

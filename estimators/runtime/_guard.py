@@ -52,7 +52,8 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn

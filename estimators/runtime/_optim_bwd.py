@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import OrderedDict
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn

@@ -29,13 +29,14 @@ methods on the instances and so survives wrapping.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ._checkpoint import BlockFinder, find_block_stack
 from .._config import Precision, TrainConfig
+from ._checkpoint import BlockFinder, find_block_stack
 from ._precision import autocast_dtype, keeps_fp32, weight_dtype
 
 __all__ = ["DDP_BUCKET_CAP_MB", "fsdp_mp_policy", "apply_fsdp", "apply_ddp", "parallelize", "gradient_sync",
@@ -79,7 +80,11 @@ def apply_fsdp(
     if mesh is None:
         import torch.distributed as dist
 
-        kind = torch.device(device).type if device is not None else next((p.device.type for p in model.parameters()), "cpu")
+        kind = (
+            torch.device(device).type
+            if device is not None
+            else next((p.device.type for p in model.parameters()), "cpu")
+        )
         mesh = init_device_mesh(kind, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if offload:
@@ -97,8 +102,11 @@ def apply_fsdp(
         full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         block_ids = {id(b) for b in blocks}
         for module in model.modules():
-            if keeps_fp32(module) and id(module) not in block_ids \
-                    and any(True for _ in module.parameters(recurse=False)):
+            if (
+                keeps_fp32(module)
+                and id(module) not in block_ids
+                and any(True for _ in module.parameters(recurse=False))
+            ):
                 fully_shard(module, **{**kwargs, "mp_policy": full})
     for block in blocks:
         fully_shard(block, **kwargs)
@@ -133,8 +141,9 @@ def parallelize(
         return model
     if config.strategy == "ddp":
         return apply_ddp(model, device_ids=device_ids)
-    return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload,
-                      device=device)
+    return apply_fsdp(
+        model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload, device=device
+    )
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ the probe and the race time them, the CPU measurement profiles them."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

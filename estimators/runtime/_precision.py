@@ -25,7 +25,8 @@ rounds to 0 in fp16) and is never searched unless asked for.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,8 +34,19 @@ from torch.utils._pytree import tree_map
 
 from .._config import Precision, normalize_precision
 
-__all__ = ["autocast_dtype", "weight_dtype", "keeps_fp32", "cast_model", "convert_input", "forward_context", "make_grad_scaler", "backward", "optimizer_step",
-           "trace_semantics", "semantics_notes"]
+__all__ = [
+    "autocast_dtype",
+    "weight_dtype",
+    "keeps_fp32",
+    "cast_model",
+    "convert_input",
+    "forward_context",
+    "make_grad_scaler",
+    "backward",
+    "optimizer_step",
+    "trace_semantics",
+    "semantics_notes",
+]
 
 
 def autocast_dtype(precision: Precision | str) -> torch.dtype | None:
@@ -119,8 +131,9 @@ def forward_context(precision: Precision | str, device_type: str) -> Iterator[No
 
 
 @contextlib.contextmanager
-def trace_semantics(precision: Precision | str, *, cuda: bool, capability: tuple[int, int] | None = None,
-                    fake: bool = True) -> Iterator[Any]:
+def trace_semantics(
+    precision: Precision | str, *, cuda: bool, capability: tuple[int, int] | None = None, fake: bool = True
+) -> Iterator[Any]:
     """Around a whole traced step (forward, backward, optimizer) for a CUDA target: the trace's
     CPU tensors take CUDA's kernel semantics, so that :func:`forward_context`'s CPU autocast
     casts as ``torch.autocast("cuda", dtype)`` does (see ``estimators.tracing._cuda_semantics``). The
@@ -146,10 +159,16 @@ def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
     return cuda_notes(run, op_names or set())
 
 
-def make_grad_scaler(precision: Precision | str, device_type: str, *, sharded: bool = False,
-                     init_scale: float | None = None, growth_factor: float | None = None,
-                     backoff_factor: float | None = None,
-                     growth_interval: int | None = None) -> torch.amp.GradScaler | None:
+def make_grad_scaler(
+    precision: Precision | str,
+    device_type: str,
+    *,
+    sharded: bool = False,
+    init_scale: float | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+) -> torch.amp.GradScaler | None:
     """A GradScaler for fp16-mixed only: bf16 has fp32's exponent range and needs none, and
     ``fp16-true`` runs without one (torch's scaler refuses fp16 gradients; see the module's
     docstring).
@@ -166,8 +185,12 @@ def make_grad_scaler(precision: Precision | str, device_type: str, *, sharded: b
     """
     if normalize_precision(precision) != "fp16-mixed":
         return None
-    given = {"init_scale": init_scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
-             "growth_interval": growth_interval}
+    given = {
+        "init_scale": init_scale,
+        "growth_factor": growth_factor,
+        "backoff_factor": backoff_factor,
+        "growth_interval": growth_interval,
+    }
     kwargs = {k: v for k, v in given.items() if v is not None}
     if sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -218,7 +241,11 @@ def _update_scaler_for_trace(scaler: torch.amp.GradScaler, optimizer: torch.opti
     for extra in found[1:]:
         found_inf = found_inf + extra
     torch._amp_update_scale_(
-        scaler._scale, scaler._growth_tracker, found_inf,
-        scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
+        scaler._scale,
+        scaler._growth_tracker,
+        found_inf,
+        scaler._growth_factor,
+        scaler._backoff_factor,
+        scaler._growth_interval,
     )
     scaler._per_optimizer_states.clear()

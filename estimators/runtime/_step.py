@@ -16,8 +16,9 @@ hooks never allocate on the device inside the step, so the three run the same al
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -31,7 +32,16 @@ from ._ema import EMA
 from ._optim_bwd import OptimizerInBackward, check_compatible
 from ._options import StepOptions
 
-__all__ = ["make_optimizer", "StepOptions", "StepHooks", "StepParts", "StepResult", "make_step_parts", "train_step", "to_device"]
+__all__ = [
+    "make_optimizer",
+    "StepOptions",
+    "StepHooks",
+    "StepParts",
+    "StepResult",
+    "make_step_parts",
+    "train_step",
+    "to_device",
+]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -109,28 +119,48 @@ class StepResult:
     grad_norm: torch.Tensor | None = None
 
 
-def make_step_parts(task: Any, config: TrainConfig, model: nn.Module, wrapped: nn.Module, *,
-                    device: torch.device, options: StepOptions, forward_model: nn.Module | None = None,
-                    scaler_kwargs: dict[str, Any] | None = None, foreach: bool = False) -> StepParts:
+def make_step_parts(
+    task: Any,
+    config: TrainConfig,
+    model: nn.Module,
+    wrapped: nn.Module,
+    *,
+    device: torch.device,
+    options: StepOptions,
+    forward_model: nn.Module | None = None,
+    scaler_kwargs: dict[str, Any] | None = None,
+    foreach: bool = False,
+) -> StepParts:
     """The optimizer, scaler, EMA and loss a step of ``config`` runs with, for a built model.
 
     ``foreach`` makes optimizers left to their default run the multi-tensor implementation, as
     PyTorch's optimizers do on CUDA (a trace for a CUDA target runs on CPU tensors).
     """
     optimizer = make_optimizer(task, config, model, options, foreach=foreach)
-    scaler = _precision.make_grad_scaler(config.precision, device.type, sharded=config.strategy == "fsdp",
-                                         **(scaler_kwargs or {}))
+    scaler = _precision.make_grad_scaler(
+        config.precision, device.type, sharded=config.strategy == "fsdp", **(scaler_kwargs or {})
+    )
     ema = None
     if options.ema_decay is not None:
         ema = EMA(model, options.ema_decay)
-    return StepParts(model=model, forward_model=forward_model if forward_model is not None else wrapped,
-                     wrapped=wrapped, optimizer=optimizer, scaler=scaler, ema=ema,
-                     loss_fn=training_loss(task, options.label_smoothing), precision=config.precision,
-                     device=device, options=options, offload_activations=config.offload_activations)
+    return StepParts(
+        model=model,
+        forward_model=forward_model if forward_model is not None else wrapped,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scaler=scaler,
+        ema=ema,
+        loss_fn=training_loss(task, options.label_smoothing),
+        precision=config.precision,
+        device=device,
+        options=options,
+        offload_activations=config.offload_activations,
+    )
 
 
-def make_optimizer(task: Any, config: TrainConfig, model: nn.Module, options: StepOptions, *,
-                   foreach: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(
+    task: Any, config: TrainConfig, model: nn.Module, options: StepOptions, *, foreach: bool = False
+) -> torch.optim.Optimizer:
     """The task's optimizer for ``model``; stepped in backward, one parameter at a time, when
     ``config.optimizer_in_backward`` (its wrapper stands for it as one optimizer)."""
     optimizer = task.make_optimizer(model)
@@ -138,8 +168,9 @@ def make_optimizer(task: Any, config: TrainConfig, model: nn.Module, options: St
         _use_foreach(optimizer)
     if config.optimizer_in_backward:
         check_compatible(config, options)
-        optimizer = OptimizerInBackward(optimizer, model, clip_value=options.clip_threshold
-                                        if options.clip == "value" else None)
+        optimizer = OptimizerInBackward(
+            optimizer, model, clip_value=options.clip_threshold if options.clip == "value" else None
+        )
     return optimizer
 
 
@@ -151,6 +182,7 @@ def training_loss(task: Any, label_smoothing: float) -> LossFn:
     def smoothed(model: nn.Module, batch: Batch) -> torch.Tensor:
         logits, targets = default_logits_and_targets(model, batch)
         return torch.nn.functional.cross_entropy(logits, targets, label_smoothing=label_smoothing)
+
     return smoothed
 
 
@@ -162,8 +194,15 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return tree_map(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, batch)
 
 
-def train_step(parts: StepParts, batches: Iterator[Batch], weights: Sequence[float], *, step: int = 1,
-               hooks: StepHooks | None = None, tracing: bool = False) -> StepResult:
+def train_step(
+    parts: StepParts,
+    batches: Iterator[Batch],
+    weights: Sequence[float],
+    *,
+    step: int = 1,
+    hooks: StepHooks | None = None,
+    tracing: bool = False,
+) -> StepResult:
     """One optimizer step over ``len(weights)`` micro-batches drawn one at a time from ``batches``.
 
     Micro-batch ``k``'s loss is multiplied by ``weights[k]`` (its share of the window's samples;
@@ -198,8 +237,9 @@ def train_step(parts: StepParts, batches: Iterator[Batch], weights: Sequence[flo
     return StepResult(loss_sum, applied=applied, stepped=True, grad_norm=grad_norm)
 
 
-def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Sequence[float], step: int,
-                      hooks: StepHooks) -> torch.Tensor | None:
+def _forward_backward(
+    parts: StepParts, batches: Iterator[Batch], weights: Sequence[float], step: int, hooks: StepHooks
+) -> torch.Tensor | None:
     loss_sum: torch.Tensor | None = None
     last = len(weights) - 1
     for k, weight in enumerate(weights):
@@ -224,8 +264,10 @@ def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Seque
         # DDP reduces gradients across ranks in the last micro-batch's backward only; FSDP2
         # reduce-scatters every micro-batch (its gradients stay sharded); _parallel decides.
         with _parallel.gradient_sync(parts.wrapped, k == last):
-            with _precision.forward_context(parts.precision, parts.device.type), \
-                    _activation_offload.offloading(parts.offload_activations, parts.device, hooks, parts.model, batch):
+            with (
+                _precision.forward_context(parts.precision, parts.device.type),
+                _activation_offload.offloading(parts.offload_activations, parts.device, hooks, parts.model, batch),
+            ):
                 # Also by 1.0: every step runs the same ops whatever its accumulation, so that
                 # a step of one micro-batch is the first micro-batch of an accumulating one.
                 loss = parts.loss_fn(parts.forward_model, batch) * weight
@@ -238,8 +280,7 @@ def _forward_backward(parts: StepParts, batches: Iterator[Batch], weights: Seque
     return loss_sum
 
 
-def _stepped_in_backward(parts: StepParts, hooks: StepHooks, step: int,
-                         loss_sum: torch.Tensor | None) -> StepResult:
+def _stepped_in_backward(parts: StepParts, hooks: StepHooks, step: int, loss_sum: torch.Tensor | None) -> StepResult:
     """The rest of a step whose parameters were stepped in backward (clipping by value too):
     no optimizer step, no gradients left to clear. A hook cannot skip it: the weights have
     changed already, so ``losses_done`` is told the loss, and its answer changes nothing."""
@@ -255,8 +296,9 @@ def _stepped_in_backward(parts: StepParts, hooks: StepHooks, step: int,
     return StepResult(loss_sum, applied=True, stepped=True, grad_norm=None)
 
 
-def _skipped(parts: StepParts, hooks: StepHooks, step: int, loss_sum: torch.Tensor | None,
-             grad_norm: torch.Tensor | None) -> StepResult:
+def _skipped(
+    parts: StepParts, hooks: StepHooks, step: int, loss_sum: torch.Tensor | None, grad_norm: torch.Tensor | None
+) -> StepResult:
     hooks.phase(f"step {step} zero_grad", "zero_grad")
     parts.optimizer.zero_grad(set_to_none=True)  # nothing applied: weights, state and scaler untouched
     return StepResult(loss_sum, applied=False, stepped=False, grad_norm=grad_norm)

@@ -17,8 +17,8 @@ encoding and the packets' headers take the rest: ~25-26 GB/s of gen4 x16's 32 in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -57,7 +57,9 @@ def host_link_bytes_per_s(spec: GPUSpec) -> float:
     return link * LINK_EFFICIENCY
 
 
-def activation_offload_time(p: Prepared, grad_accum_steps: int, rates: DeviceRates, spec: GPUSpec | None) -> OffloadTime | None:
+def activation_offload_time(
+    p: Prepared, grad_accum_steps: int, rates: DeviceRates, spec: GPUSpec | None
+) -> OffloadTime | None:
     """The transfers of one optimizer step of ``p``'s configuration, or None when nothing is
     offloaded (a CPU target, or offloading off)."""
     if spec is None:
@@ -86,16 +88,22 @@ def activation_offload_time(p: Prepared, grad_accum_steps: int, rates: DeviceRat
 def _offloaded_per_phase(p: Prepared) -> np.ndarray:
     """Bytes of host copies made in each phase."""
     born = (p.event_sign > 0) & (p.alloc_category[p.event_alloc] == int(Category.OFFLOADED))
-    return np.bincount(p.event_phase[born], weights=p.alloc_bytes[p.event_alloc[born]].astype(np.float64),
-                       minlength=len(p.phase_labels))
+    return np.bincount(
+        p.event_phase[born],
+        weights=p.alloc_bytes[p.event_alloc[born]].astype(np.float64),
+        minlength=len(p.phase_labels),
+    )
 
 
 def _compute_per_phase(p: Prepared, rates: DeviceRates) -> np.ndarray:
     """Uncalibrated seconds of each phase's kernels (roofline work plus per-op overhead)."""
     costs = p.op_costs()
     per_op = _work_per_op(costs, p.phase_labels, rates) + rates.op_overhead_s
-    return np.bincount(costs.phase, weights=per_op, minlength=len(p.phase_labels)) if len(per_op) else \
-        np.zeros(len(p.phase_labels))
+    return (
+        np.bincount(costs.phase, weights=per_op, minlength=len(p.phase_labels))
+        if len(per_op)
+        else np.zeros(len(p.phase_labels))
+    )
 
 
 def _steady_forwards(labels: Sequence[str], grad_accum_steps: int) -> list[tuple[int, float]]:

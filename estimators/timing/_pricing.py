@@ -8,20 +8,21 @@ device cannot measure, is added after calibration. A prediction keeps its parts
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from .._config import TrainConfig
-from .._gpus import GPUSpec
 from .._facts import ModelFacts
+from .._gpus import GPUSpec
 from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
-from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
-from ._calibration import TimeCalibration
-from ._cpu_offload_time import cpu_offload_time
 from ._activation_offload_time import activation_offload_time
+from ._calibration import TimeCalibration
+from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
+from ._cpu_offload_time import cpu_offload_time
 from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]

@@ -30,8 +30,9 @@ their own code. A dtype no probe ran keeps its measured rates.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -203,7 +204,9 @@ def _steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accu
     A micro-batches runs the first once and the accumulating one A - 1 times. The optimizer
     step and zero_grad run once."""
     labels = list(phase_labels)
-    micro_phases = [i for i, l in enumerate(labels) if l.startswith("step 2") and ("forward" in l or "backward" in l)]
+    micro_phases = [
+        i for i, lab in enumerate(labels) if lab.startswith("step 2") and ("forward" in lab or "backward" in lab)
+    ]
     weights = np.zeros(len(labels), dtype=np.float64)
     if any("micro" in labels[i] for i in micro_phases):
         def micro_of(i: int) -> str:
@@ -217,8 +220,8 @@ def _steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accu
     else:
         # One micro-batch traced per step: every micro-batch of the window runs like it.
         weights[micro_phases] = float(grad_accum_steps)
-    for i, l in enumerate(labels):
-        if l in ("step 2 optimizer", "step 2 zero_grad"):
+    for i, lab in enumerate(labels):
+        if lab in ("step 2 optimizer", "step 2 zero_grad"):
             weights[i] = 1.0
     return weights[costs.phase] if len(costs.phase) else np.zeros(0)
 

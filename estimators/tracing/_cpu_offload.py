@@ -24,7 +24,7 @@ storage that becomes the CPU gradient).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from ._recorder import Category, Recorder
 

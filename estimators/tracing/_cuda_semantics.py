@@ -23,7 +23,8 @@ import contextlib
 import threading
 import warnings
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

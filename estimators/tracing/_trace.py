@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from ..memory import _distributed
-from ..runtime import _activation_offload, _precision
-from ..runtime._build import BuiltModel, build_for_training
-from ..runtime._planned import PlannedSteps
-from ..runtime._options import StepOptions
-from ..runtime._step import StepHooks
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
 from .._task import Task, _one_line
+from ..memory import _distributed
+from ..runtime import _activation_offload, _precision
+from ..runtime._build import BuiltModel, build_for_training
+from ..runtime._options import StepOptions
+from ..runtime._planned import PlannedSteps
+from ..runtime._step import StepHooks
 from . import _cpu_offload
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
 from ._recorder import Category, OpRecord, Recorder, RecordingHooks, recorded_rng_states

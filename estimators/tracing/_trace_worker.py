@@ -38,7 +38,7 @@ def worker_available() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
-_LIVE: "weakref.WeakSet[TraceWorker]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[TraceWorker] = weakref.WeakSet()
 
 
 class WorkerDied(RuntimeError):

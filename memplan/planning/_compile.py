@@ -14,8 +14,8 @@ compile time is reported in the notes, not counted in the step time: it is paid 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 

@@ -14,7 +14,8 @@ if it fails for another, the space's plainest configuration decides (see ``Failu
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from estimators import MemplanError, TrainConfig
 

@@ -19,7 +19,9 @@ __all__ = ["host_budget_for", "resolve_task", "estimator_for", "default_budget",
            "can_probe"]
 
 
-_ESTIMATORS: "weakref.WeakKeyDictionary[Task, dict[tuple[str | None, str | None], Estimator]]" = weakref.WeakKeyDictionary()
+_ESTIMATORS: weakref.WeakKeyDictionary[Task, dict[tuple[str | None, str | None], Estimator]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def estimator_for(task: Task, *, device: str | None, gpu: str | None) -> Estimator:
@@ -43,12 +45,16 @@ def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any =
         return model
     if isinstance(model, nn.Module):
         if sample is None and parts.get("train_data") is None:
-            raise ConfigError(f"search({type(model).__name__}) needs batches: pass sample= (a batch, or a callable "
-                              "batch_size -> batch) or train_data= (a Dataset)")
+            raise ConfigError(
+                f"search({type(model).__name__}) needs batches: pass sample= (a batch, or a callable "
+                "batch_size -> batch) or train_data= (a Dataset)"
+            )
         return Task.from_module(model, sample, **parts)
     if sample is not None or parts:
-        raise ConfigError(f"{', '.join(['sample', *parts])} go with an nn.Module; a model file defines its own "
-                          "(loss(), optimizer(), train_data(), ...)")
+        raise ConfigError(
+            f"{', '.join(['sample', *parts])} go with an nn.Module; a model file defines its own "
+            "(loss(), optimizer(), train_data(), ...)"
+        )
     return load_task(model)
 
 

@@ -9,7 +9,7 @@ that cannot be traced, its reason kept in :class:`Failures`.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import optuna
 from optuna.trial import FrozenTrial

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -234,9 +235,13 @@ class Plan:
         try:
             data = json.loads(p.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"plan file {str(path)!r} not found; create one with memplan plan MODEL.py --out plan.json") from None
+            raise ConfigError(
+                f"plan file {str(path)!r} not found; create one with memplan plan MODEL.py --out plan.json"
+            ) from None
         except ValueError as exc:
-            raise ConfigError(f"plan file {str(path)!r} is not valid JSON ({exc}); re-create it with memplan plan") from None
+            raise ConfigError(
+                f"plan file {str(path)!r} is not valid JSON ({exc}); re-create it with memplan plan"
+            ) from None
         try:
             return cls.from_dict(data)
         except KeyError as exc:
@@ -244,21 +249,32 @@ class Plan:
         except (TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigError):
                 raise ConfigError(f"plan file {str(path)!r}: {exc}") from None
-            raise ConfigError(f"plan file {str(path)!r} is not a memplan plan ({type(exc).__name__}: {exc}); "
-                              "re-create it with memplan plan --out") from None
+            raise ConfigError(
+                f"plan file {str(path)!r} is not a memplan plan ({type(exc).__name__}: {exc}); "
+                "re-create it with memplan plan --out"
+            ) from None
 
     # -- display -----------------------------------------------------------------------
     def table(self, limit: int = 10) -> str:
         rows = []
         for rank, e in enumerate(self.entries[:limit], 1):
             c = e.config
-            rows.append([
-                rank, c.micro_batch_size, c.grad_accum_steps, c.precision,
-                f"{c.checkpoint_segments} selective" if c.checkpoint_policy == "selective" else c.checkpoint_segments,
-                f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
-                _offloads(e), format_size(e.peak_bytes), f"{e.samples_per_s:,.1f}",
-                e.source,
-            ])
+            rows.append(
+                [
+                    rank,
+                    c.micro_batch_size,
+                    c.grad_accum_steps,
+                    c.precision,
+                    f"{c.checkpoint_segments} selective"
+                    if c.checkpoint_policy == "selective"
+                    else c.checkpoint_segments,
+                    f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
+                    _offloads(e),
+                    format_size(e.peak_bytes),
+                    f"{e.samples_per_s:,.1f}",
+                    e.source,
+                ]
+            )
         target = self.gpu or self.device
         head = (
             f"plan for {target}, budget {format_size(self.budget_bytes)} "
@@ -267,8 +283,18 @@ class Plan:
         )
         table = tabulate(
             rows,
-            headers=["#", "micro", "accum", "precision", "ckpt", "strategy", "techniques", "peak", "samples/s",
-                     "source"],
+            headers=[
+                "#",
+                "micro",
+                "accum",
+                "precision",
+                "ckpt",
+                "strategy",
+                "techniques",
+                "peak",
+                "samples/s",
+                "source",
+            ],
             tablefmt="simple",
         )
         return "\n".join([head, table, *self._compile_line(), *(f"note: {n}" for n in self.notes)])
@@ -277,8 +303,11 @@ class Plan:
         """The table's line on torch.compile (the figures are in the notes)."""
         if self.compile is None:
             return []
-        return ["torch.compile: on (measured faster; #1's figures are the compiled step's, fit trains compiled)"
-                if self.compile else "torch.compile: off (measured, not faster within the budget)"]
+        return [
+            "torch.compile: on (measured faster; #1's figures are the compiled step's, fit trains compiled)"
+            if self.compile
+            else "torch.compile: off (measured, not faster within the budget)"
+        ]
 
 
 def _offloads(entry: PlanEntry) -> str:

@@ -86,9 +86,13 @@ def _probe_in_turn(task: Task, estimator: Estimator, rest: list[PlanEntry], prob
             if measured.step_time_s:
                 estimator.calibrate(entry.config, measured.step_time_s, predicted=entry.predicted)
             if needed_bytes(measured) > limit:
-                notes.append(f"{entry.config.describe()}: measured {format_size(measured.peak_bytes)} is over the budget; dropped")
+                notes.append(
+                    f"{entry.config.describe()}: measured {format_size(measured.peak_bytes)} is over the budget; dropped"
+                )
                 continue
-            probed.append(PlanEntry(config=entry.config, predicted=entry.predicted, measured=measured, probe_status="ok"))
+            probed.append(
+                PlanEntry(config=entry.config, predicted=entry.predicted, measured=measured, probe_status="ok")
+            )
         elif status == "oom":
             notes.append(f"{entry.config.describe()}: ran out of memory when probed; dropped")
         elif getattr(result, "raised", False):
@@ -96,13 +100,16 @@ def _probe_in_turn(task: Task, estimator: Estimator, rest: list[PlanEntry], prob
             failed[entry.config] = str(getattr(result, "message", ""))
             notes.append(f"{entry.config.describe()}: failed when probed ({failed[entry.config]}); dropped")
         else:
-            notes.append(f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured")
+            notes.append(
+                f"{entry.config.describe()}: probe {status} ({getattr(result, 'message', '')}); kept unmeasured"
+            )
             rest.insert(0, PlanEntry(config=entry.config, predicted=entry.predicted, probe_status=status))
             break
 
 
-def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn,
-                      notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
+def _confirm_overturn(
+    task: Task, estimator: Estimator, probed: list[PlanEntry], limit: int, probe_fn: ProbeFn, notes: list[str]
+) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
     """When separate probes overturn the predicted order of the top configuration (no race
     could be run), probe the two again before believing them.
 
@@ -115,14 +122,22 @@ def _confirm_overturn(task: Task, estimator: Estimator, probed: list[PlanEntry],
     rival = max(probed[1:], key=lambda e: e.samples_per_s)
     if predicted_first.samples_per_s >= rival.samples_per_s:
         return probed, None
-    notes.append(f"the probes put {rival.config.describe()} ahead of the predicted best "
-                 f"({predicted_first.config.describe()})")
+    notes.append(
+        f"the probes put {rival.config.describe()} ahead of the predicted best ({predicted_first.config.describe()})"
+    )
     return _reprobe(task, estimator, probed, predicted_first, rival, limit, probe_fn, notes)
 
 
-def _reprobe(task: Task, estimator: Estimator, probed: list[PlanEntry], predicted_first: PlanEntry,
-             leader: PlanEntry, limit: int, probe_fn: ProbeFn,
-             notes: list[str]) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
+def _reprobe(
+    task: Task,
+    estimator: Estimator,
+    probed: list[PlanEntry],
+    predicted_first: PlanEntry,
+    leader: PlanEntry,
+    limit: int,
+    probe_fn: ProbeFn,
+    notes: list[str],
+) -> tuple[list[PlanEntry], tuple[TrainConfig, TrainConfig] | None]:
     steps: dict[TrainConfig, tuple[float, float]] = {}
     confirmed: dict[TrainConfig, PlanEntry | None] = {}  # None: dropped
     for entry in (leader, predicted_first):
@@ -144,12 +159,17 @@ def _reprobe(task: Task, estimator: Estimator, probed: list[PlanEntry], predicte
         step = (first.step_time_s + second.step_time_s) / 2
         higher = max((first, second), key=needed_bytes)
         if needed_bytes(higher) > limit:
-            notes.append(f"{entry.config.describe()}: measured {format_size(higher.peak_bytes)} is over the budget; dropped")
+            notes.append(
+                f"{entry.config.describe()}: measured {format_size(higher.peak_bytes)} is over the budget; dropped"
+            )
             confirmed[entry.config] = None
             continue
-        merged = replace(higher, step_time_s=step, samples_per_s=entry.config.global_batch / step,
-                         notes=(*higher.notes, f"time: mean of two probes ({first.step_time_s:.4g} s, "
-                                               f"{second.step_time_s:.4g} s)"))
+        merged = replace(
+            higher,
+            step_time_s=step,
+            samples_per_s=entry.config.global_batch / step,
+            notes=(*higher.notes, f"time: mean of two probes ({first.step_time_s:.4g} s, {second.step_time_s:.4g} s)"),
+        )
         confirmed[entry.config] = replace(entry, measured=merged)
     notes.append("both were probed again")
     out = [confirmed[e.config] if e.config in confirmed else e for e in probed]
@@ -161,8 +181,10 @@ def _reprobe(task: Task, estimator: Estimator, probed: list[PlanEntry], predicte
         lead = mean[predicted_first.config] / mean[leader.config] - 1
         if 0 < lead <= spread:
             kept = (predicted_first.config, leader.config)
-            notes.append(f"{leader.config.describe()} led by {lead:.0%} on the means, less than one "
-                         f"configuration's two probes differ ({spread:.0%}): the predicted order is kept")
+            notes.append(
+                f"{leader.config.describe()} led by {lead:.0%} on the means, less than one "
+                f"configuration's two probes differ ({spread:.0%}): the predicted order is kept"
+            )
     return [e for e in out if e is not None], kept
 
 

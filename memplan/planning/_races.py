@@ -7,8 +7,9 @@ micro-batch size, the checkpoint segments) is followed a step or two further
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -56,8 +57,10 @@ def race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: in
     first, rival = rest[0], rest[1]
     result = race_fn(task, (first.config, rival.config))
     if not getattr(result, "ok", False):
-        notes.append(f"the race of {first.config.describe()} against {rival.config.describe()} did not finish "
-                     f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')}); both are probed instead")
+        notes.append(
+            f"the race of {first.config.describe()} against {rival.config.describe()} did not finish "
+            f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')}); both are probed instead"
+        )
         return None
     rest = rest[2:]
     rounds = len(result.step_times[0])
@@ -69,26 +72,39 @@ def race_best(task: Task, estimator: Estimator, rest: list[PlanEntry], limit: in
         timed[entry.config] = (step, rounds, other.config)
     wins = int(result.second_wins)
     if ratio > 1 + _RACE_TIE:
-        notes.append(f"raced step against step, {rival.config.describe()} was faster than the predicted best "
-                     f"({first.config.describe()}) in {wins} of {rounds} rounds (by {ratio - 1:.0%} on the median): "
-                     "it goes above the predicted best")
+        notes.append(
+            f"raced step against step, {rival.config.describe()} was faster than the predicted best "
+            f"({first.config.describe()}) in {wins} of {rounds} rounds (by {ratio - 1:.0%} on the median): "
+            "it goes above the predicted best"
+        )
         order = [rival, first]
         if ratio >= 1 + _TREND_MIN:
             rest = _follow_trend(task, estimator, order, rest, timed, race_fn, notes)
     else:
-        verdict = (f"tied with {rival.config.describe()}" if ratio >= 1 - _RACE_TIE else
-                   f"was faster than {rival.config.describe()} in {rounds - wins} of {rounds} rounds "
-                   f"(by {1 / ratio - 1:.0%} on the median)")
-        notes.append(f"raced step against step, the predicted best ({first.config.describe()}) {verdict}: "
-                     "the predicted order is kept")
+        verdict = (
+            f"tied with {rival.config.describe()}"
+            if ratio >= 1 - _RACE_TIE
+            else f"was faster than {rival.config.describe()} in {rounds - wins} of {rounds} rounds "
+            f"(by {1 / ratio - 1:.0%} on the median)"
+        )
+        notes.append(
+            f"raced step against step, the predicted best ({first.config.describe()}) {verdict}: "
+            "the predicted order is kept"
+        )
         order = [first, rival]
     probed, unmeasured = _check_memory(task, order, timed, limit, memory_fn, notes, failed)
     return probed, unmeasured, rest
 
 
-def _check_memory(task: Task, order: list[PlanEntry], timed: dict[TrainConfig, tuple[float, int, TrainConfig]],
-                  limit: int, memory_fn: ProbeFn, notes: list[str],
-                  failed: dict[TrainConfig, str]) -> tuple[list[PlanEntry], list[PlanEntry]]:
+def _check_memory(
+    task: Task,
+    order: list[PlanEntry],
+    timed: dict[TrainConfig, tuple[float, int, TrainConfig]],
+    limit: int,
+    memory_fn: ProbeFn,
+    notes: list[str],
+    failed: dict[TrainConfig, str],
+) -> tuple[list[PlanEntry], list[PlanEntry]]:
     """Probe the memory of the raced configurations, fastest first, until one fits: it is
     measured (its time the race's), one that runs out of memory or over the budget is
     dropped, and the others stay unmeasured (their races refitted their predictions)."""
@@ -100,21 +116,25 @@ def _check_memory(task: Task, order: list[PlanEntry], timed: dict[TrainConfig, t
             step, rounds, other = timed[entry.config]
             entry = replace(entry, measured=_raced(measured, entry.config, step, rounds, other), probe_status="ok")
             # The others were timed by the race too: that is their figure, not the time model's.
-            losers = [replace(e, predicted=_raced(e.predicted, e.config, *timed[e.config])) for e in order[i + 1:]]
+            losers = [replace(e, predicted=_raced(e.predicted, e.config, *timed[e.config])) for e in order[i + 1 :]]
             return [entry], losers
         if status == "oom":
             notes.append(f"{entry.config.describe()} raced fastest but ran out of memory when probed; dropped")
         elif status == "ok" and measured is not None:
-            notes.append(f"{entry.config.describe()} raced fastest but measured {format_size(measured.peak_bytes)}, "
-                         "over the budget; dropped")
+            notes.append(
+                f"{entry.config.describe()} raced fastest but measured {format_size(measured.peak_bytes)}, "
+                "over the budget; dropped"
+            )
         elif getattr(result, "raised", False):
             failed[entry.config] = str(getattr(result, "message", ""))
-            notes.append(f"{entry.config.describe()} raced fastest but failed when probed "
-                         f"({failed[entry.config]}); dropped")
+            notes.append(
+                f"{entry.config.describe()} raced fastest but failed when probed ({failed[entry.config]}); dropped"
+            )
         else:
-            notes.append(f"{entry.config.describe()}: memory probe {status} ({getattr(result, 'message', '')}); "
-                         "kept unmeasured")
-            return [], [replace(entry, probe_status=status), *order[i + 1:]]
+            notes.append(
+                f"{entry.config.describe()}: memory probe {status} ({getattr(result, 'message', '')}); kept unmeasured"
+            )
+            return [], [replace(entry, probe_status=status), *order[i + 1 :]]
     return [], []
 
 
@@ -132,14 +152,26 @@ def fit_together(device: str, a: PlanEntry, b: PlanEntry) -> bool:
 
 def _raced(measured: Estimate, config: TrainConfig, step: float, rounds: int, other: TrainConfig) -> Estimate:
     """A probe's figures with the time a race measured in its place."""
-    return replace(measured, step_time_s=step, samples_per_s=config.global_batch / step,
-                   notes=(*measured.notes, f"{RACED_NOTE} {rounds} steps raced step against step "
-                                           f"with {other.describe()} in one process"))
+    return replace(
+        measured,
+        step_time_s=step,
+        samples_per_s=config.global_batch / step,
+        notes=(
+            *measured.notes,
+            f"{RACED_NOTE} {rounds} steps raced step against step with {other.describe()} in one process",
+        ),
+    )
 
 
-def _follow_trend(task: Task, estimator: Estimator, order: list[PlanEntry], rest: list[PlanEntry],
-                  timed: dict[TrainConfig, tuple[float, int, TrainConfig]], race_fn: RaceFn,
-                  notes: list[str]) -> list[PlanEntry]:
+def _follow_trend(
+    task: Task,
+    estimator: Estimator,
+    order: list[PlanEntry],
+    rest: list[PlanEntry],
+    timed: dict[TrainConfig, tuple[float, int, TrainConfig]],
+    race_fn: RaceFn,
+    notes: list[str],
+) -> list[PlanEntry]:
     """A race put ``order[0]`` above the predicted best ``order[1]`` by ``_TREND_MIN`` or
     more, and if the two differ along one axis (the micro-batch size, or the checkpoint
     segments) the time model misjudged that axis, and the same misjudgement likely holds one
@@ -160,19 +192,25 @@ def _follow_trend(task: Task, estimator: Estimator, order: list[PlanEntry], rest
             break
         result = race_fn(task, (winner.config, candidate.config))
         if not getattr(result, "ok", False):
-            notes.append(f"{candidate.config.describe()}, one step further, was not raced "
-                         f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')})")
+            notes.append(
+                f"{candidate.config.describe()}, one step further, was not raced "
+                f"({getattr(result, 'status', 'error')}: {getattr(result, 'message', '')})"
+            )
             break
         rounds = len(result.step_times[0])
         ratio = float(result.ratio)  # > 1: the candidate's steps are the shorter
         step = float(result.median_step_s(1))
         estimator.calibrate(candidate.config, step, predicted=candidate.predicted)
         if ratio <= 1 + _RACE_TIE:
-            notes.append(f"one step further, {candidate.config.describe()} raced {winner.config.describe()} and was "
-                         f"not faster (median ratio {ratio:.2f}): the walk stops")
+            notes.append(
+                f"one step further, {candidate.config.describe()} raced {winner.config.describe()} and was "
+                f"not faster (median ratio {ratio:.2f}): the walk stops"
+            )
             break
-        notes.append(f"one step further, {candidate.config.describe()} raced {winner.config.describe()}: faster in "
-                     f"{int(result.second_wins)} of {rounds} rounds (by {ratio - 1:.0%} on the median): it goes above")
+        notes.append(
+            f"one step further, {candidate.config.describe()} raced {winner.config.describe()}: faster in "
+            f"{int(result.second_wins)} of {rounds} rounds (by {ratio - 1:.0%} on the median): it goes above"
+        )
         rest = [e for e in rest if e is not candidate]
         order.insert(0, candidate)
         timed[candidate.config] = (step, rounds, winner.config)
@@ -196,8 +234,12 @@ def _next_along(winner: TrainConfig, loser: TrainConfig, candidates: list[PlanEn
     else:
         return None
     step = getattr(winner, axis) - getattr(loser, axis)
-    beyond = [e for e in candidates
-              if all(getattr(e.config, f) == getattr(winner, f) for f in (*fixed, *same))
-              and (getattr(e.config, axis) - getattr(winner, axis)) * step > 0
-              and e.config.global_batch == winner.global_batch and e.probe_status is None]
+    beyond = [
+        e
+        for e in candidates
+        if all(getattr(e.config, f) == getattr(winner, f) for f in (*fixed, *same))
+        and (getattr(e.config, axis) - getattr(winner, axis)) * step > 0
+        and e.config.global_batch == winner.global_batch
+        and e.probe_status is None
+    ]
     return min(beyond, key=lambda e: abs(getattr(e.config, axis) - getattr(winner, axis)), default=None)

@@ -7,12 +7,12 @@ refitted by what was measured.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from estimators import Estimate, Estimator, Task, TrainConfig
 
-from ._plan import Plan, PlanEntry, provenance
 from ._failures import summarize_failures
+from ._plan import Plan, PlanEntry, provenance
 
 __all__ = ["rank_predicted", "rank_measured", "build_plan"]
 

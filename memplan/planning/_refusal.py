@@ -15,7 +15,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from estimators import Estimate, Estimator, NoFeasiblePlanError, Task, TrainConfig, format_size, fsdp_units, weight_dtype
+from estimators import (
+    Estimate,
+    Estimator,
+    NoFeasiblePlanError,
+    Task,
+    TrainConfig,
+    format_size,
+    fsdp_units,
+    weight_dtype,
+)
 
 from ._plan import excess_bytes, needed_bytes
 from ._space import SearchSpace
@@ -68,17 +77,25 @@ def state_floor(task: Task, model: nn.Module) -> StateFloor:
     grads = [0, 0]
     distinct = list(dict.fromkeys(model.parameters()))
     for p in distinct:
-        full, low = p.numel() * p.element_size(), p.numel() * (min(p.element_size(), 2) if p.is_floating_point() else p.element_size())
+        full, low = (
+            p.numel() * p.element_size(),
+            p.numel() * (min(p.element_size(), 2) if p.is_floating_point() else p.element_size()),
+        )
         weights[0] += full
         weights[1] += low
         if p.requires_grad:
             grads[0] += full
             grads[1] += low
     units = fsdp_units(model, task.checkpoint_blocks)
-    return StateFloor(params=sum(p.numel() for p in distinct), weights=(weights[0], weights[1]),
-                      grads=(grads[0], grads[1]), optimizer=_optimizer_state_bytes(task, model),
-                      gathered=units.root_numel + units.root_trainable
-                      + max((n + t for n, t in zip(units.block_numels, units.block_trainables)), default=0))
+    return StateFloor(
+        params=sum(p.numel() for p in distinct),
+        weights=(weights[0], weights[1]),
+        grads=(grads[0], grads[1]),
+        optimizer=_optimizer_state_bytes(task, model),
+        gathered=units.root_numel
+        + units.root_trainable
+        + max((n + t for n, t in zip(units.block_numels, units.block_trainables)), default=0),
+    )
 
 
 def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
@@ -93,8 +110,12 @@ def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
             p.grad = torch.empty_like(p)
         optimizer = task.make_optimizer(model)
         optimizer.step()
-        return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
-                   if isinstance(v, torch.Tensor) and v.device.type == "meta")
+        return sum(
+            v.numel() * v.element_size()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.device.type == "meta"
+        )
     except Exception:  # noqa: BLE001 - a bound without the optimizer's state is still a bound
         return 0
     finally:
@@ -133,12 +154,26 @@ def _corners(space: SearchSpace) -> list[TrainConfig]:
     apply at some sizes only: the step in backward without accumulation), every block
     checkpointed. The floor does not depend on the batch; the smallest size comes first."""
     s = space.checkpoint_segments[-1]
-    return list(dict.fromkeys(space.config(m, p, s, layout, False, t) for m in space.micro_batch_sizes
-                              for layout in space.layouts for p in space.precisions for t in space.technique_choices))
+    return list(
+        dict.fromkeys(
+            space.config(m, p, s, layout, False, t)
+            for m in space.micro_batch_sizes
+            for layout in space.layouts
+            for p in space.precisions
+            for t in space.technique_choices
+        )
+    )
 
 
-def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, budget: int, limit: int,
-                            estimator: Estimator, host_limit: int | None = None) -> None:
+def refuse_from_lower_bound(
+    task: Task,
+    floor: StateFloor,
+    space: SearchSpace,
+    budget: int,
+    limit: int,
+    estimator: Estimator,
+    host_limit: int | None = None,
+) -> None:
     """Say at once, without a trace, that nothing fits when the model's own states do not: a
     3B-parameter model on a 2 GB card is refused in the time it takes to build it on meta,
     not after a search's traces. ``host_limit``: the host memory offloaded states may use."""
@@ -152,9 +187,12 @@ def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, b
     # Offloaded, the device would have room: the host has not.
     short_of_host = [floor.host(c) for c in corners if c not in on_host and floor.device(c) <= limit]
     if short_of_host:
-        hints.insert(0, f"--host-memory {math.ceil(min(short_of_host) / 1e9)}GB or more (offloaded, the states "
-                        f"need {format_size(min(short_of_host))} of host memory, more than the "
-                        f"{format_size(host_limit or 0)} allowed)")
+        hints.insert(
+            0,
+            f"--host-memory {math.ceil(min(short_of_host) / 1e9)}GB or more (offloaded, the states "
+            f"need {format_size(min(short_of_host))} of host memory, more than the "
+            f"{format_size(host_limit or 0)} allowed)",
+        )
     shards = best.world_size if best.strategy == "fsdp" else 1
     devices = max(2, 2 * shards)
     hints.append(f"FSDP over {devices} devices (--gpus {devices})")
@@ -162,28 +200,46 @@ def refuse_from_lower_bound(task: Task, floor: StateFloor, space: SearchSpace, b
     used = techniques_used(best, states_only=True)
     even = (f" even in {used}" if used == best.precision else f" even with {used}") if used else ""
     if best.cpu_offload:
-        what = (f"{task.name}'s root unit and largest block, gathered on the device, alone need "
-                f"{format_size(need)}{even}, before any activation")
+        what = (
+            f"{task.name}'s root unit and largest block, gathered on the device, alone need "
+            f"{format_size(need)}{even}, before any activation"
+        )
     else:
-        where = f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 else ""
-        what = (f"{task.name}'s {floor.params:,} parameters, their gradients"
-                + (" and the optimizer's state" if floor.optimizer else "")
-                + f" alone need {format_size(need)}{where}{even}, before any activation"
-                + ("" if floor.optimizer else " or optimizer state"))
+        where = (
+            f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 else ""
+        )
+        what = (
+            f"{task.name}'s {floor.params:,} parameters, their gradients"
+            + (" and the optimizer's state" if floor.optimizer else "")
+            + f" alone need {format_size(need)}{where}{even}, before any activation"
+            + ("" if floor.optimizer else " or optimizer state")
+        )
     raise NoFeasiblePlanError(
         f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): {what}"
         f" — try {', '.join(hints)}",
-        nearest=None, needed_bytes=need, budget_bytes=budget,
+        nearest=None,
+        needed_bytes=need,
+        budget_bytes=budget,
     )
 
 
-def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estimator, *, measured: bool = False,
-           host_limit: int | None = None) -> NoFeasiblePlanError:
+def no_fit(
+    estimates: list[Estimate],
+    budget: int,
+    limit: int,
+    estimator: Estimator,
+    *,
+    measured: bool = False,
+    host_limit: int | None = None,
+) -> NoFeasiblePlanError:
     if not estimates:
         return NoFeasiblePlanError(
             f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): no configuration "
             "could be estimated — try a card with more memory, FSDP over more devices, or a smaller model",
-            nearest=None, needed_bytes=limit + 1, budget_bytes=budget)
+            nearest=None,
+            needed_bytes=limit + 1,
+            budget_bytes=budget,
+        )
     nearest = min(estimates, key=lambda e: excess_bytes(e, limit, host_limit))
     need = needed_bytes(nearest)
     parts = sorted(nearest.breakdown.items(), key=lambda kv: -kv[1])
@@ -191,7 +247,9 @@ def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estima
     if nearest.context_bytes:
         detail += f", CUDA context {format_size(nearest.context_bytes)}"
     if nearest.host_bytes and host_limit is not None and nearest.host_bytes > host_limit:
-        detail += f"; and {format_size(nearest.host_bytes)} of host memory, more than the {format_size(host_limit)} allowed"
+        detail += (
+            f"; and {format_size(nearest.host_bytes)} of host memory, more than the {format_size(host_limit)} allowed"
+        )
     hints = [_more_memory_hint(need, budget, limit, estimator)]
     if nearest.config.strategy == "fsdp":
         hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
@@ -206,7 +264,10 @@ def no_fit(estimates: list[Estimate], budget: int, limit: int, estimator: Estima
     used = techniques_used(nearest.config)
     return NoFeasiblePlanError(
         f"{what} in {format_size(budget)} (keeping {format_size(budget - limit)} free); the smallest plan "
-        f"({nearest.config.describe()}) needs {format_size(need)}" + (f" even with {used}" if used else "")
+        f"({nearest.config.describe()}) needs {format_size(need)}"
+        + (f" even with {used}" if used else "")
         + f": {detail} — try {', '.join(hints)}",
-        nearest=nearest, needed_bytes=need, budget_bytes=budget,
+        nearest=nearest,
+        needed_bytes=need,
+        budget_bytes=budget,
     )

@@ -14,7 +14,8 @@ the device at hand — the two best raced step against step (``._races``), the o
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -111,29 +112,51 @@ def search(
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
-    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data).with_shape_policy(shape_policy)
+    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data).with_shape_policy(
+        shape_policy
+    )
     estimator = estimator_for(task, device=device, gpu=gpu)
     budget = budget_for(estimator, vram)
     limit = int(budget * (1 - margin))
     blocks_model = meta_model(task)
-    space = space_for(task, estimator, blocks_model, global_batch=global_batch, precisions=precisions,
-                      max_micro_batch=max_micro_batch, layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
-                      micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments)
+    space = space_for(
+        task,
+        estimator,
+        blocks_model,
+        global_batch=global_batch,
+        precisions=precisions,
+        max_micro_batch=max_micro_batch,
+        layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
+        micro_batch_sizes=micro_batch_sizes,
+        checkpoint_segments=checkpoint_segments,
+    )
     # The bound of the most frugal space the search may widen to: nothing it could try fits.
     frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None)
     floor = state_floor(task, blocks_model)
     host_limit = host_budget_for(host_memory) if estimator.device == "cuda" else None
     refuse_from_lower_bound(task, floor, frugal or space, budget, limit, estimator, host_limit)
-    if probe_top > 0 and probe_fn is None and can_probe(estimator, gpu) and all(
-            layout.strategy == "single" for layout in space.layouts):
+    if (
+        probe_top > 0
+        and probe_fn is None
+        and can_probe(estimator, gpu)
+        and all(layout.strategy == "single" for layout in space.layouts)
+    ):
         # The probe server imports torch while the estimates run, not when the first probe
         # waits — after the machine's rates are known: measuring them while the server's
         # import competes for the cores would cache wrong rates for good.
         estimator.rates()
         prestart()
 
-    study = dict(budget=budget, margin=margin, trials=trials, seed=seed, storage=storage, progress=progress,
-                 floor=floor, host_limit=host_limit)
+    study = dict(
+        budget=budget,
+        margin=margin,
+        trials=trials,
+        seed=seed,
+        storage=storage,
+        progress=progress,
+        floor=floor,
+        host_limit=host_limit,
+    )
     notes: list[str] = []
     objective, mirrored, interrupted, wider = _study_then_widen(task, estimator, space, frugal, limit, study, notes)
     estimates, failed = objective.results()
@@ -154,18 +177,31 @@ def search(
         notes.extend(probe_notes)
         if not entries:
             raise no_fit(estimates, budget, limit, estimator, measured=True)
-    entries, compiled = evaluate_compile(task, estimator, entries, compile_top if probe_top > 0 else 0, limit,
-                                         probe_fn, compile_fn, gpu, notes)
-    plan = build_plan(task, estimator, entries, budget=budget, margin=margin, global_batch=space.global_batch,
-                      tried=tried, failed=failed, notes=notes, compile=compiled)
+    entries, compiled = evaluate_compile(
+        task, estimator, entries, compile_top if probe_top > 0 else 0, limit, probe_fn, compile_fn, gpu, notes
+    )
+    plan = build_plan(
+        task,
+        estimator,
+        entries,
+        budget=budget,
+        margin=margin,
+        global_batch=space.global_batch,
+        tried=tried,
+        failed=failed,
+        notes=notes,
+        compile=compiled,
+    )
     if plot is not None:
         from .._plots import record_plan_plot
+
         record_plan_plot(plan, estimates, plot, mirrored.persistent)
     return plan
 
 
-def _study_then_widen(task: Task, estimator: Any, space: Any, frugal: Any, limit: int, study: dict[str, Any],
-                      notes: list[str]) -> tuple[Objective, Any, bool, Any]:
+def _study_then_widen(
+    task: Task, estimator: Any, space: Any, frugal: Any, limit: int, study: dict[str, Any], notes: list[str]
+) -> tuple[Objective, Any, bool, Any]:
     """The study of ``space``; when nothing in it fits, the study of ``frugal`` (the techniques
     that trade speed or precision for memory), the estimates made so far kept. Returns the
     last study's objective, its storage, whether Ctrl-C cut it short, and the widened space
@@ -185,15 +221,29 @@ def _study_then_widen(task: Task, estimator: Any, space: Any, frugal: Any, limit
     return objective, mirrored, interrupted, frugal
 
 
-def _run_study(task: Task, estimator: Any, space: Any, limit: int, *, budget: int, margin: float, trials: int,
-               seed: int | None, storage: str | None, progress: bool, floor: Any = None, host_limit: int | None = None,
-               cache: dict[Any, Any] | None = None) -> tuple[Objective, Any, bool]:
+def _run_study(
+    task: Task,
+    estimator: Any,
+    space: Any,
+    limit: int,
+    *,
+    budget: int,
+    margin: float,
+    trials: int,
+    seed: int | None,
+    storage: str | None,
+    progress: bool,
+    floor: Any = None,
+    host_limit: int | None = None,
+    cache: dict[Any, Any] | None = None,
+) -> tuple[Objective, Any, bool]:
     """The study of ``space``: resumed, its least-memory corners asked first, run to ``trials``."""
     objective = Objective(space, estimator, limit, floor=floor, host_limit=host_limit)
     if cache:
         objective.cache.update(cache)
-    mirrored, exhaustive = open_study(task, estimator, budget=budget, margin=margin, space=space, trials=trials,
-                                      seed=seed, storage=storage)
+    mirrored, exhaustive = open_study(
+        task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage
+    )
     objective.resume(mirrored.resumed())
     enqueue_corners(mirrored.study, space, objective.done())
     interrupted = optimize(mirrored, objective, trials=trials, exhaustive=exhaustive, progress=progress)

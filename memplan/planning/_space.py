@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch.nn as nn
 
 from estimators import (
-    ConfigError, Estimator, Precision, Strategy, Task, TrainConfig, max_checkpoint_segments, normalize_precision,
+    ConfigError,
+    Estimator,
+    Precision,
+    Strategy,
+    Task,
+    TrainConfig,
+    max_checkpoint_segments,
+    normalize_precision,
 )
 
-__all__ = ["Layout", "SearchSpace", "Technique", "NO_TECHNIQUE", "CPU_OFFLOAD", "CpuOffload", "ACTIVATION_OFFLOAD", "OPTIMIZER_IN_BACKWARD", "optimizer_in_backward_excluded", "frugal_space", "build_space", "layouts_for", "layout_key", "space_for"]
+__all__ = [
+    "Layout",
+    "SearchSpace",
+    "Technique",
+    "NO_TECHNIQUE",
+    "CPU_OFFLOAD",
+    "CpuOffload",
+    "ACTIVATION_OFFLOAD",
+    "OPTIMIZER_IN_BACKWARD",
+    "optimizer_in_backward_excluded",
+    "frugal_space",
+    "build_space",
+    "layouts_for",
+    "layout_key",
+    "space_for",
+]
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
@@ -98,23 +120,40 @@ class SearchSpace:
     def technique(self, name: str) -> Technique:
         return next(t for t in self.technique_choices if t.name == name)
 
-    def config(self, micro: int, precision: str, segments: int, layout: Layout | str | None = None,
-               grouped: bool = False, technique: Technique | str = NO_TECHNIQUE) -> TrainConfig:
+    def config(
+        self,
+        micro: int,
+        precision: str,
+        segments: int,
+        layout: Layout | str | None = None,
+        grouped: bool = False,
+        technique: Technique | str = NO_TECHNIQUE,
+    ) -> TrainConfig:
         if layout is None:
             layout = self.layouts[0]
         elif isinstance(layout, str):
             layout = self.layout(layout)
         config = TrainConfig(
-            micro_batch_size=micro, grad_accum_steps=self.accum_for(micro, layout.world_size),
-            precision=precision, checkpoint_segments=segments,
-            strategy=layout.strategy, world_size=layout.world_size, nodes=layout.nodes,
+            micro_batch_size=micro,
+            grad_accum_steps=self.accum_for(micro, layout.world_size),
+            precision=precision,
+            checkpoint_segments=segments,
+            strategy=layout.strategy,
+            world_size=layout.world_size,
+            nodes=layout.nodes,
             length_grouped=grouped,
         )
         return (self.technique(technique) if isinstance(technique, str) else technique).apply(config)
 
     def __len__(self) -> int:
-        return (len(self.micro_batch_sizes) * len(self.precisions) * len(self.checkpoint_segments)
-                * len(self.layouts) * len(self.grouping) * len(self.technique_choices))
+        return (
+            len(self.micro_batch_sizes)
+            * len(self.precisions)
+            * len(self.checkpoint_segments)
+            * len(self.layouts)
+            * len(self.grouping)
+            * len(self.technique_choices)
+        )
 
     def __iter__(self) -> Iterator[TrainConfig]:
         seen: set[TrainConfig] = set()
@@ -144,8 +183,12 @@ class SearchSpace:
         for t in techniques:
             for layout in self.layouts:
                 for p in self.precisions:
-                    params: dict[str, object] = {"layout": layout.key, "micro_batch_size": m, "precision": p,
-                                                 "checkpoint_segments": s}
+                    params: dict[str, object] = {
+                        "layout": layout.key,
+                        "micro_batch_size": m,
+                        "precision": p,
+                        "checkpoint_segments": s,
+                    }
                     if self.techniques:
                         params["technique"] = t.name
                     out.setdefault(self.config(m, p, s, layout, False, t), params)
@@ -192,11 +235,15 @@ def build_space(
             raise ConfigError(f"--global-batch must be >= 1, got {global_batch}")
         if dataset_size and global_batch > dataset_size:
             # Not one optimizer step would see a full batch: every epoch would train on nothing.
-            raise ConfigError(f"global batch {global_batch} is larger than the training set ({dataset_size} items); "
-                              f"use --global-batch {dataset_size} or less")
+            raise ConfigError(
+                f"global batch {global_batch} is larger than the training set ({dataset_size} items); "
+                f"use --global-batch {dataset_size} or less"
+            )
         per_rank, rem = divmod(global_batch, world_size)
         if rem:
-            raise ConfigError(f"global batch {global_batch} does not divide over {world_size} processes; pick a multiple of {world_size}")
+            raise ConfigError(
+                f"global batch {global_batch} does not divide over {world_size} processes; pick a multiple of {world_size}"
+            )
         micros = [d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0]
     else:
         micros = _powers_of_two(limit)
@@ -208,19 +255,25 @@ def build_space(
             per_rank = global_batch // world_size
             bad = [m for m in micro_batch_sizes if m < 1 or per_rank % m or m > limit]
             if bad:
-                raise ConfigError(f"--micro-batch {','.join(map(str, bad))} does not divide the per-device global "
-                                  f"batch {per_rank}; choose from {','.join(map(str, micros))}")
+                raise ConfigError(
+                    f"--micro-batch {','.join(map(str, bad))} does not divide the per-device global "
+                    f"batch {per_rank}; choose from {','.join(map(str, micros))}"
+                )
         else:
             bad = [m for m in micro_batch_sizes if m < 1 or m > limit]
             if bad:
-                raise ConfigError(f"--micro-batch {','.join(map(str, bad))} is outside 1..{limit} (the dataset size "
-                                  "and the kernels' batch limit)")
+                raise ConfigError(
+                    f"--micro-batch {','.join(map(str, bad))} is outside 1..{limit} (the dataset size "
+                    "and the kernels' batch limit)"
+                )
         micros = sorted(set(micro_batch_sizes))
     if checkpoint_segments is not None:
         bad = [c for c in checkpoint_segments if not 0 <= c <= max_segments]
         if bad:
-            raise ConfigError(f"--checkpoint {','.join(map(str, bad))} is more segments than the model's "
-                              f"{max_segments} blocks; choose from 0..{max_segments}")
+            raise ConfigError(
+                f"--checkpoint {','.join(map(str, bad))} is more segments than the model's "
+                f"{max_segments} blocks; choose from 0..{max_segments}"
+            )
         segments = tuple(sorted(set(checkpoint_segments)))
     return SearchSpace(tuple(micros), precisions, segments, global_batch, layouts, grouping)
 
@@ -280,13 +333,24 @@ def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Pre
     supported += true_precisions
     refused = [p for p in chosen if p not in supported]
     if refused:
-        raise ConfigError(f"precision {', '.join(refused)} is not available on {estimator.spec.name if estimator.spec else estimator.device}; choose from {', '.join(supported)}")
+        raise ConfigError(
+            f"precision {', '.join(refused)} is not available on {estimator.spec.name if estimator.spec else estimator.device}; choose from {', '.join(supported)}"
+        )
     return chosen
 
 
-def space_for(task: Task, estimator: Estimator, blocks_model: nn.Module, *, global_batch: int | None,
-              precisions: Sequence[str] | None, max_micro_batch: int | None, layouts: tuple[Layout, ...],
-              micro_batch_sizes: Sequence[int] | None, checkpoint_segments: Sequence[int] | None) -> SearchSpace:
+def space_for(
+    task: Task,
+    estimator: Estimator,
+    blocks_model: nn.Module,
+    *,
+    global_batch: int | None,
+    precisions: Sequence[str] | None,
+    max_micro_batch: int | None,
+    layouts: tuple[Layout, ...],
+    micro_batch_sizes: Sequence[int] | None,
+    checkpoint_segments: Sequence[int] | None,
+) -> SearchSpace:
     """The space of ``task`` on the estimator's target: the user's pins and restrictions, the
     model file's ``settings["global_batch"]`` when no global batch is given, the precisions the
     device runs well, and the checkpoint segments ``blocks_model`` (built on meta) has."""
@@ -313,8 +377,10 @@ configuration it does not apply to stays as it is)."""
 def optimizer_in_backward_excluded(task: Task) -> str | None:
     """Why the task's step cannot step the optimizer in backward (None: it can)."""
     if task.step.clip == "norm":
-        return ("the step clips by the global gradient norm, which needs every gradient before any step "
-                "(clip by value or turn clipping off to search it)")
+        return (
+            "the step clips by the global gradient norm, which needs every gradient before any step "
+            "(clip by value or turn clipping off to search it)"
+        )
     return None
 
 
@@ -335,9 +401,14 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
     has_bf16 = estimator.device == "cpu" or (estimator.spec is not None and estimator.spec.bf16)
     if not precisions_pinned and has_bf16 and "bf16-true" not in precisions:
         precisions = (*precisions, "bf16-true")
-    techniques = tuple(t for t in FRUGAL_TECHNIQUES if t not in space.techniques) if max(space.checkpoint_segments) else ()
-    if OPTIMIZER_IN_BACKWARD not in space.techniques and optimizer_in_backward_excluded(estimator.task) is None \
-            and any(layout.strategy == "single" for layout in space.layouts):
+    techniques = (
+        tuple(t for t in FRUGAL_TECHNIQUES if t not in space.techniques) if max(space.checkpoint_segments) else ()
+    )
+    if (
+        OPTIMIZER_IN_BACKWARD not in space.techniques
+        and optimizer_in_backward_excluded(estimator.task) is None
+        and any(layout.strategy == "single" for layout in space.layouts)
+    ):
         techniques = (*techniques, OPTIMIZER_IN_BACKWARD)
     if estimator.device == "cuda":
         # Host memory is the device's on a CPU target: offloading there saves nothing.

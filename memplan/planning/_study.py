@@ -20,8 +20,9 @@ import os
 import sqlite3
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import optuna
 import torch

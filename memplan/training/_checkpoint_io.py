@@ -94,11 +94,14 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
         raise
     except Exception as exc:  # noqa: BLE001 - zip, pickle and unpickler errors alike
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise DamagedCheckpointError(f"{p} is damaged or not a memplan checkpoint ({type(exc).__name__}: {first})") from None
+        raise DamagedCheckpointError(
+            f"{p} is damaged or not a memplan checkpoint ({type(exc).__name__}: {first})"
+        ) from None
 
 
-def load_latest_checkpoint(path: str | os.PathLike[str], *,
-                           map_location: str | torch.device | None = "cpu") -> tuple[Any, Path, str | None]:
+def load_latest_checkpoint(
+    path: str | os.PathLike[str], *, map_location: str | torch.device | None = "cpu"
+) -> tuple[Any, Path, str | None]:
     """The newest readable checkpoint of ``path`` and its kept predecessor: (contents, the file
     read, why the newest was passed over or None). Raises :class:`DamagedCheckpointError`
     when neither can be read, ``FileNotFoundError`` when neither exists."""
@@ -111,14 +114,16 @@ def load_latest_checkpoint(path: str | os.PathLike[str], *,
         why = f"{latest} is missing"
     except DamagedCheckpointError as exc:
         if not previous.exists():
-            raise DamagedCheckpointError(f"{exc}; no earlier checkpoint is kept beside it: delete it to start "
-                                         "over, or train into another --out") from None
+            raise DamagedCheckpointError(
+                f"{exc}; no earlier checkpoint is kept beside it: delete it to start over, or train into another --out"
+            ) from None
         why = str(exc)
     try:
         return load_checkpoint(previous, map_location=map_location), previous, why
     except DamagedCheckpointError as exc:
-        raise DamagedCheckpointError(f"{why}, and so is the one before it: {exc}; delete both to start over, "
-                                     "or train into another --out") from None
+        raise DamagedCheckpointError(
+            f"{why}, and so is the one before it: {exc}; delete both to start over, or train into another --out"
+        ) from None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -143,8 +148,13 @@ SHARDED_DIR = "checkpoint-dcp"
 checkpoint; ``checkpoint.pt`` names the current one."""
 
 
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str], *,
-                 extra: dict[str, Any] | None = None) -> None:
+def save_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: str | os.PathLike[str],
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Every rank writes its shards of the model, the optimizer state and ``extra`` (dicts of
     tensors, e.g. EMA weights) into the folder ``path`` with ``torch.distributed.checkpoint``
     (a collective: all ranks call it). Keys are parameter names, so the folder loads into any
@@ -156,8 +166,13 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     dcp.save({"model": model_state, "optimizer": optim_state, **(extra or {})}, checkpoint_id=Path(path))
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike[str], *,
-                 extra: dict[str, Any] | None = None) -> None:
+def load_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: str | os.PathLike[str],
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Load a folder written by :func:`save_sharded` into ``model`` and ``optimizer`` (and, in
     place, the tensors of ``extra``), resharded to their layout. Without a process group it
     loads in this process alone."""

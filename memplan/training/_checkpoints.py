@@ -10,8 +10,9 @@ import logging
 import math
 import os
 import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +22,14 @@ import torch.nn as nn
 from estimators import ConfigError, TrainConfig, TrainingError
 
 from ._checkpoint_io import (
-    SHARDED_DIR, DamagedCheckpointError, load_latest_checkpoint, load_sharded, previous_path, remove_stale_sharded,
-    save_checkpoint, save_sharded,
+    SHARDED_DIR,
+    DamagedCheckpointError,
+    load_latest_checkpoint,
+    load_sharded,
+    previous_path,
+    remove_stale_sharded,
+    save_checkpoint,
+    save_sharded,
 )
 
 __all__: list[str] = []

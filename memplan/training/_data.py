@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,7 +226,9 @@ class _Loaders:
         except Exception as exc:  # noqa: BLE001 - the user's code, reported with the fix
             raise ModelFileError(f"{self.task.name}: val_data() raised {type(exc).__name__}: {exc}; fix the dataset code") from None
         if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
-            raise ModelFileError(f"{self.task.name}: val_data() returned {type(data).__name__}; return a map-style Dataset")
+            raise ModelFileError(
+                f"{self.task.name}: val_data() returned {type(data).__name__}; return a map-style Dataset"
+            )
         if len(data) == 0:
             return None
         return self._val_loader_for(data)
@@ -235,8 +238,14 @@ class _Loaders:
         # generator: evaluating must not move anything the training data order depends on.
         # Distributed: rank r evaluates items r::W (every item once; sums are all-reduced).
         sampler = None if self.world_size == 1 else list(range(self.rank, len(data), self.world_size))  # type: ignore[arg-type]
-        return self._make_loader(data, batch_size=self.config.micro_batch_size, shuffle=False, drop_last=False,
-                                 sampler=sampler, generator=torch.Generator().manual_seed(self.options.seed))
+        return self._make_loader(
+            data,
+            batch_size=self.config.micro_batch_size,
+            shuffle=False,
+            drop_last=False,
+            sampler=sampler,
+            generator=torch.Generator().manual_seed(self.options.seed),
+        )
 
     def _windows(self) -> Iterator[tuple[_Window, Iterator[Batch]]]:
         """Windows from the current data position on, across epochs, without end.

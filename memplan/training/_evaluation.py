@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
-from estimators import ConfigError, default_logits_and_targets, default_loss
-from estimators import convert_input, forward_context
+from estimators import ConfigError, convert_input, default_logits_and_targets, default_loss, forward_context
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
 
@@ -73,9 +73,16 @@ class _Evaluation:
             self.model.train()
         if self.distributed:
             # Each rank evaluated its share (items r::W): the metrics are of the sums over ranks.
-            sums = torch.tensor([total_loss, total_weight, correct, counted], dtype=torch.float64, device=self._comm_device)
+            sums = torch.tensor(
+                [total_loss, total_weight, correct, counted], dtype=torch.float64, device=self._comm_device
+            )
             dist.all_reduce(sums)
-            total_loss, total_weight, correct, counted = sums[0].item(), int(sums[1].item()), int(sums[2].item()), int(sums[3].item())
+            total_loss, total_weight, correct, counted = (
+                sums[0].item(),
+                int(sums[1].item()),
+                int(sums[2].item()),
+                int(sums[3].item()),
+            )
         metrics = {"val_loss": total_loss / total_weight if total_weight else float("nan")}
         if counted:
             metrics["val_accuracy"] = correct / counted
@@ -116,15 +123,22 @@ class _Evaluation:
         delta = self.options.early_stopping_min_delta
         significant = math.isfinite(value) and (
             self.state.stop_reference is None
-            or (value < self.state.stop_reference - delta if self.options.mode == "min"
-                else value > self.state.stop_reference + delta)
+            or (
+                value < self.state.stop_reference - delta
+                if self.options.mode == "min"
+                else value > self.state.stop_reference + delta
+            )
         )
         if significant:
             self.state.stop_reference, self.state.bad_evaluations = value, 0
         else:
             self.state.bad_evaluations += 1
         if improved:
-            self.state.best_metric, self.state.best_step, self.state.best_metrics = value, self.state.step, dict(metrics)
+            self.state.best_metric, self.state.best_step, self.state.best_metrics = (
+                value,
+                self.state.step,
+                dict(metrics),
+            )
             # Best weights go to disk, not to RAM: no second copy of the model stays alive.
             best = self._eval_state_dict()
             if self.is_main:
@@ -134,11 +148,22 @@ class _Evaluation:
         patience = self.options.early_stopping_patience
         if patience is not None and self.state.bad_evaluations >= patience:
             self.state.stopped_early = True
-        self._log({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **metrics,
-                   "best": self.state.best_metric, "improved": improved})
+        self._log(
+            {
+                "type": "eval",
+                "step": self.state.step,
+                "epoch": self.state.epoch,
+                **metrics,
+                "best": self.state.best_metric,
+                "improved": improved,
+            }
+        )
         if not self._bar.disable:
-            self._bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-                            + (" (best)" if improved else ""))
+            self._bar.write(
+                f"step {self.state.step}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                + (" (best)" if improved else "")
+            )
 
     def _finish_evaluation(self) -> None:
         """The run's last evaluation, unless the last window was just evaluated."""
@@ -165,7 +190,11 @@ class _Evaluation:
     def _write_result_weights(self) -> None:
         """``model.pt``: the best weights with early stopping, else the final ones (EMA if on).
         ``self.model`` is left holding them."""
-        if self.options.early_stopping_patience is not None and self.state.best_step is not None and self.best_path.exists():
+        if (
+            self.options.early_stopping_patience is not None
+            and self.state.best_step is not None
+            and self.best_path.exists()
+        ):
             state = load_checkpoint(self.best_path, map_location=self.device)
             self.state.last_metrics = dict(self.state.best_metrics)
         else:
@@ -189,4 +218,3 @@ def _full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         full = getattr(v, "full_tensor", None)
         out[k] = (full() if full is not None else v).detach().clone()
     return out
-

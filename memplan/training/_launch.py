@@ -35,9 +35,10 @@ import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 from estimators import ConfigError, TrainConfig, TrainingError, format_size
 
@@ -150,9 +151,16 @@ def launch_training(
         OOMRecord.clear(out_dir)
         _clear_failures(out_dir)
         job = _RankJob(
-            model_path=str(Path(model_path).resolve()), config=config.to_dict(), options=options,
-            budget_bytes=budget_bytes, ladder=[c.to_dict() for c in rungs], recovery_state=recovery_state,
-            threads=threads, timeout_s=spec.timeout_s, log_level=logging.getLogger("memplan").getEffectiveLevel(), env=dict(os.environ),
+            model_path=str(Path(model_path).resolve()),
+            config=config.to_dict(),
+            options=options,
+            budget_bytes=budget_bytes,
+            ladder=[c.to_dict() for c in rungs],
+            recovery_state=recovery_state,
+            threads=threads,
+            timeout_s=spec.timeout_s,
+            log_level=logging.getLogger("memplan").getEffectiveLevel(),
+            env=dict(os.environ),
         )
         try:
             with _quiet_agent():
@@ -164,8 +172,11 @@ def launch_training(
             config, event = _step_down(records, rungs, peaks, budget_bytes, tried, spec, out_dir)
             recoveries.append(event)
             options = replace(options, resume=True)
-            recovery_state = {"recoveries": recoveries, "tried": [c.to_dict() for c in tried],
-                              "failed_at": records[0].time}
+            recovery_state = {
+                "recoveries": recoveries,
+                "tried": [c.to_dict() for c in tried],
+                "failed_at": records[0].time,
+            }
             attempt += 1
             continue
         OOMRecord.clear(out_dir)
@@ -184,8 +195,12 @@ def _check_launch(config: TrainConfig, spec: LaunchSpec) -> None:
     if config.strategy == "single":
         raise ConfigError("strategy 'single' runs in this process; launch only ddp or fsdp configurations")
     if config.nodes != spec.nnodes:
-        log.warning("the configuration was planned for %d machine(s) and runs on %d: its predicted step time "
-                    "assumed another network", config.nodes, spec.nnodes)
+        log.warning(
+            "the configuration was planned for %d machine(s) and runs on %d: its predicted step time "
+            "assumed another network",
+            config.nodes,
+            spec.nnodes,
+        )
 
 
 def _preload_forkserver() -> None:
@@ -203,16 +218,28 @@ def _launch_config(spec: LaunchSpec, run_id: str) -> Any:
 
     rdzv_configs: dict[str, Any] = {"rank": spec.node_rank} if spec.rdzv_backend == "static" else {}
     return LaunchConfig(
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
-        rdzv_backend=spec.rdzv_backend, rdzv_endpoint=spec.rdzv_endpoint or "127.0.0.1:0",
-        rdzv_configs=rdzv_configs, run_id=run_id, max_restarts=0, start_method=spec.start_method,
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node,
+        rdzv_backend=spec.rdzv_backend,
+        rdzv_endpoint=spec.rdzv_endpoint or "127.0.0.1:0",
+        rdzv_configs=rdzv_configs,
+        run_id=run_id,
+        max_restarts=0,
+        start_method=spec.start_method,
         monitor_interval=spec.monitor_interval,
     )
 
 
-def _step_down(records: list[OOMRecord], rungs: list[TrainConfig], peaks: dict[TrainConfig, int],
-               budget_bytes: int | None, tried: list[TrainConfig], spec: LaunchSpec,
-               out_dir: Path) -> tuple[TrainConfig, dict[str, Any]]:
+def _step_down(
+    records: list[OOMRecord],
+    rungs: list[TrainConfig],
+    peaks: dict[TrainConfig, int],
+    budget_bytes: int | None,
+    tried: list[TrainConfig],
+    spec: LaunchSpec,
+    out_dir: Path,
+) -> tuple[TrainConfig, dict[str, Any]]:
     """The ranks' OOM records -> the rung every rank relaunches on and the recovery event (the
     rule of the single-process ``Trainer._step_down``); a ``TrainingError`` when none is left."""
     first = records[0]
@@ -223,16 +250,30 @@ def _step_down(records: list[OOMRecord], rungs: list[TrainConfig], peaks: dict[T
     new, skipped = pick_rung(rungs, peaks, budget_bytes)
     tried.append(new)
     event = RecoveryEvent(
-        step=first.step, phase=first.phase, from_config=old.to_dict(), to_config=new.to_dict(),
-        peak_at_failure=peak, seconds=0.0, error=f"rank {first.rank}: {first.error}",
+        step=first.step,
+        phase=first.phase,
+        from_config=old.to_dict(),
+        to_config=new.to_dict(),
+        peak_at_failure=peak,
+        seconds=0.0,
+        error=f"rank {first.rank}: {first.error}",
         skipped=[c.to_dict() for c in skipped],
     ).to_dict()
-    event.update(ranks=sorted({r.rank for r in records}), resume_step=first.resume_step,
-                 window_start_checkpoint=first.window_start_checkpoint)
-    log.warning("out of memory on rank(s) %s at step %d in %s with %s; relaunching all %d ranks with %s "
-                "from %s", ",".join(map(str, event["ranks"])), first.step, first.phase, old.describe(),
-                spec.world_size, new.describe(),
-                f"the checkpoint of step {first.resume_step}" if first.resume_step is not None else "the start")
+    event.update(
+        ranks=sorted({r.rank for r in records}),
+        resume_step=first.resume_step,
+        window_start_checkpoint=first.window_start_checkpoint,
+    )
+    log.warning(
+        "out of memory on rank(s) %s at step %d in %s with %s; relaunching all %d ranks with %s from %s",
+        ",".join(map(str, event["ranks"])),
+        first.step,
+        first.phase,
+        old.describe(),
+        spec.world_size,
+        new.describe(),
+        f"the checkpoint of step {first.resume_step}" if first.resume_step is not None else "the start",
+    )
     return new, event
 
 
@@ -252,10 +293,19 @@ def _quiet_agent() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _exhausted(first: OOMRecord, records: list[OOMRecord], old: TrainConfig, tried: list[TrainConfig],
-               peak: int | None, out_dir: Path) -> TrainingError:
-    where = (f"the last good checkpoint is {out_dir / 'checkpoint.pt'} (step {first.resume_step})"
-             if first.resume_step is not None else "no checkpoint was written")
+def _exhausted(
+    first: OOMRecord,
+    records: list[OOMRecord],
+    old: TrainConfig,
+    tried: list[TrainConfig],
+    peak: int | None,
+    out_dir: Path,
+) -> TrainingError:
+    where = (
+        f"the last good checkpoint is {out_dir / 'checkpoint.pt'} (step {first.resume_step})"
+        if first.resume_step is not None
+        else "no checkpoint was written"
+    )
     measured = f"measured peak at failure {format_size(peak)}" if peak is not None else "peak at failure unknown"
     if first.budget is not None:
         measured += f" of budget {format_size(first.budget)}"

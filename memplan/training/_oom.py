@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator, NoReturn
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 import torch
 
-from estimators import ConfigError, TrainConfig, TrainingError, format_size, is_oom_error
-from estimators import checkpoint_more
+from estimators import ConfigError, TrainConfig, TrainingError, checkpoint_more, format_size, is_oom_error
 
 from ._data import _seed_torch, _Window, _window_seed
 from ._recovery import (
-    DistributedOOM, OOMRecord, RecoveryEvent, free_memory, pick_rung, restore_optimizer, restore_tensors,
+    DistributedOOM,
+    OOMRecord,
+    RecoveryEvent,
+    free_memory,
+    pick_rung,
+    restore_optimizer,
+    restore_tensors,
     snapshot_tensors,
 )
 from ._window import _WindowOutcome
@@ -141,21 +147,32 @@ class _InProcessRecovery:
         new, skipped = pick_rung(self.ladder, self._ladder_peaks, self._budget())
         self._switch_config(new)
         self._tried.append(new)
-        event = RecoveryEvent(step=step, phase=phase, from_config=old.to_dict(), to_config=new.to_dict(),
-                              peak_at_failure=peak, seconds=time.perf_counter() - t0, error=message or "",
-                              skipped=[c.to_dict() for c in skipped])
+        event = RecoveryEvent(
+            step=step,
+            phase=phase,
+            from_config=old.to_dict(),
+            to_config=new.to_dict(),
+            peak_at_failure=peak,
+            seconds=time.perf_counter() - t0,
+            error=message or "",
+            skipped=[c.to_dict() for c in skipped],
+        )
         record = event.to_dict()
         self.recoveries.append(record)
         self._log({"type": "oom_recovery", **record})
-        text = (f"out of memory at step {step} in {phase} with {old.describe()}"
-                + (f" (peak {format_size(peak)})" if peak else "")
-                + f"; replaying with {new.describe()}")
+        text = (
+            f"out of memory at step {step} in {phase} with {old.describe()}"
+            + (f" (peak {format_size(peak)})" if peak else "")
+            + f"; replaying with {new.describe()}"
+        )
         log.warning("%s", text)
         bar = getattr(self, "_bar", None)
         if bar is not None and not bar.disable:
             bar.write(text)
-            bar.set_postfix({"oom_recoveries": len(self.recoveries), "micro": new.micro_batch_size,
-                             "accum": new.grad_accum_steps}, refresh=False)
+            bar.set_postfix(
+                {"oom_recoveries": len(self.recoveries), "micro": new.micro_batch_size, "accum": new.grad_accum_steps},
+                refresh=False,
+            )
 
     def _switch_config(self, new: TrainConfig) -> None:
         """Apply ``new`` (same global batch) to the running model, scaler and loaders."""
@@ -163,11 +180,13 @@ class _InProcessRecovery:
         if new.global_batch != old.global_batch:
             raise ConfigError(f"cannot switch from global batch {old.global_batch} to {new.global_batch}")
         if new.checkpoint_segments > old.checkpoint_segments or (
-                new.checkpoint_policy == "full" and old.checkpoint_policy != "full"):
+            new.checkpoint_policy == "full" and old.checkpoint_policy != "full"
+        ):
             # Idempotent per block: blocks checkpointed already stay so (only ever stepping down);
             # a compiled forward is compiled again from the same wrapper as at setup.
-            self.forward_model = checkpoint_more(self._built, self.task, new.checkpoint_segments,
-                                                 policy=new.checkpoint_policy).forward_model
+            self.forward_model = checkpoint_more(
+                self._built, self.task, new.checkpoint_segments, policy=new.checkpoint_policy
+            ).forward_model
         if new.precision != old.precision:
             # fp16 needs a GradScaler (a fresh one calibrates its scale in a few steps); bf16 and
             # fp32 need none. Keep an existing one when both use it.
@@ -186,10 +205,13 @@ class _InProcessRecovery:
                 self._save_checkpoint()
             except Exception as exc:  # noqa: BLE001 - the OOM is the error to report
                 log.warning("could not write a checkpoint after the OOM: %s", exc)
-        where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
-                 if self.checkpoint_path.exists() else "no checkpoint could be written")
+        where = (
+            f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
+            if self.checkpoint_path.exists()
+            else "no checkpoint could be written"
+        )
         budget = self._budget()
-        measured = (f"measured peak at failure {format_size(peak)}" if peak is not None else "peak at failure unknown")
+        measured = f"measured peak at failure {format_size(peak)}" if peak is not None else "peak at failure unknown"
         if budget is not None:
             measured += f" of budget {format_size(budget)}"
         tried = "; ".join(t.describe() for t in self._tried)
@@ -200,8 +222,9 @@ class _InProcessRecovery:
             f"(tried: {tried}); {where}; {measured} -- raise --vram or reduce the model"
         )
 
-    def _fail_distributed(self, *, step: int, phase: str, peak: int | None, message: str | None,
-                          intact: bool) -> NoReturn:
+    def _fail_distributed(
+        self, *, step: int, phase: str, peak: int | None, message: str | None, intact: bool
+    ) -> NoReturn:
         """An OOM on this rank of a distributed run: record it for the launcher, write a checkpoint
         of the window's start when this rank alone can (DDP, nothing of the window applied), and
         leave. Exiting closes this rank's connections, so the other ranks' collectives fail at
@@ -214,15 +237,25 @@ class _InProcessRecovery:
             except Exception as exc:  # noqa: BLE001 - the OOM is what gets reported
                 log.warning("rank %d could not write a checkpoint after the OOM: %s", self.rank, exc)
         record = OOMRecord(
-            rank=self.rank, step=step, phase=phase, config=self.config.to_dict(), peak_at_failure=peak,
-            budget=self._budget(), error=message or "", time=time.time(),
-            resume_step=self.state.step if written else self.last_checkpoint_step, window_start_checkpoint=written,
+            rank=self.rank,
+            step=step,
+            phase=phase,
+            config=self.config.to_dict(),
+            peak_at_failure=peak,
+            budget=self._budget(),
+            error=message or "",
+            time=time.time(),
+            resume_step=self.state.step if written else self.last_checkpoint_step,
+            window_start_checkpoint=written,
         )
         record.write(self.out_dir)
         raise DistributedOOM(
             f"rank {self.rank} ran out of memory at step {step} in {phase} with {self.config.describe()}; "
-            + ("a checkpoint of the window's start was written" if written else
-               f"resuming from the last checkpoint (step {self.last_checkpoint_step})")
+            + (
+                "a checkpoint of the window's start was written"
+                if written
+                else f"resuming from the last checkpoint (step {self.last_checkpoint_step})"
+            )
         )
 
     def _log_decided_recovery(self) -> None:
@@ -240,9 +273,11 @@ class _InProcessRecovery:
         self._log({"type": "oom_recovery", **event})
         if self.is_main:
             old, new = TrainConfig.from_dict(event["from"]), TrainConfig.from_dict(event["to"])
-            text = (f"out of memory at step {event['step']} in {event['phase']} with {old.describe()}"
-                    + (f" (peak {format_size(event['peak_at_failure'])})" if event.get("peak_at_failure") else "")
-                    + f"; all ranks replay from step {self.state.step + 1} with {new.describe()}")
+            text = (
+                f"out of memory at step {event['step']} in {event['phase']} with {old.describe()}"
+                + (f" (peak {format_size(event['peak_at_failure'])})" if event.get("peak_at_failure") else "")
+                + f"; all ranks replay from step {self.state.step + 1} with {new.describe()}"
+            )
             log.warning("%s", text)
             if not self._bar.disable:
                 self._bar.write(text)

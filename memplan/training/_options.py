@@ -8,9 +8,10 @@ them into nested dataclasses would change every flag and key that is derived fro
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -264,16 +265,28 @@ def _check_schedule_options(o: TrainOptions) -> None:
     checks: list[tuple[str, bool, str]] = [
         ("gamma", o.gamma is None or (_number(o.gamma) and o.gamma > 0), "a number > 0"),
         ("step_size", o.step_size is None or _whole(o.step_size, 1), "a whole number >= 1"),
-        ("milestones", o.milestones is None or (
-            isinstance(o.milestones, tuple) and len(o.milestones) > 0 and all(_whole(m, 1) for m in o.milestones)
-            and list(o.milestones) == sorted(set(o.milestones))), "increasing whole numbers >= 1"),
+        (
+            "milestones",
+            o.milestones is None
+            or (
+                isinstance(o.milestones, tuple)
+                and len(o.milestones) > 0
+                and all(_whole(m, 1) for m in o.milestones)
+                and list(o.milestones) == sorted(set(o.milestones))
+            ),
+            "increasing whole numbers >= 1",
+        ),
         ("t_0", o.t_0 is None or _whole(o.t_0, 1), "a whole number >= 1"),
         ("t_mult", o.t_mult is None or _whole(o.t_mult, 1), "a whole number >= 1"),
         ("min_lr", o.min_lr is None or (_number(o.min_lr) and o.min_lr >= 0), "a number >= 0"),
         ("pct_start", o.pct_start is None or (_number(o.pct_start) and 0 < o.pct_start < 1), "in (0, 1)"),
         ("anneal_strategy", o.anneal_strategy in (None, "cos", "linear"), "'cos' or 'linear'"),
         ("cycle_momentum", isinstance(o.cycle_momentum, bool), "true or false"),
-        ("base_momentum", o.base_momentum is None or (_number(o.base_momentum) and 0 <= o.base_momentum < 1), "in [0, 1)"),
+        (
+            "base_momentum",
+            o.base_momentum is None or (_number(o.base_momentum) and 0 <= o.base_momentum < 1),
+            "in [0, 1)",
+        ),
         ("max_momentum", o.max_momentum is None or (_number(o.max_momentum) and 0 <= o.max_momentum < 1), "in [0, 1)"),
         ("cooldown", o.cooldown is None or _whole(o.cooldown, 0), "a whole number >= 0"),
     ]
@@ -288,14 +301,18 @@ def _check_schedule_options(o: TrainOptions) -> None:
         if getattr(o, field_name) not in (None, False):
             if field_name not in takes:
                 users = ", ".join(repr(k) for k, v in SCHEDULE_ARGS.items() if field_name in v)
-                raise ConfigError(f"TrainOptions.{field_name} applies to schedule {users}, not {name!r}; "
-                                  f"set schedule or leave {field_name} unset")
+                raise ConfigError(
+                    f"TrainOptions.{field_name} applies to schedule {users}, not {name!r}; "
+                    f"set schedule or leave {field_name} unset"
+                )
             if field_name in (o.schedule_args or {}):
                 raise ConfigError(f"TrainOptions.{field_name} is also in schedule_args; set it once")
     unknown = sorted(set(o.schedule_args or {}) - set(takes))
     if unknown:
-        raise ConfigError(f"TrainOptions.schedule_args {unknown} are not arguments of schedule {name!r}; "
-                          f"it takes: {', '.join(takes) or 'none'}")
+        raise ConfigError(
+            f"TrainOptions.schedule_args {unknown} are not arguments of schedule {name!r}; "
+            f"it takes: {', '.join(takes) or 'none'}"
+        )
     kwargs = o.schedule_kwargs()
     required = {"exponential": "gamma", "cosine_restarts": "t_0", "multistep": "milestones"}.get(name)
     if required is not None and kwargs.get(required) is None:
@@ -313,8 +330,11 @@ def _check_schedule_options(o: TrainOptions) -> None:
 def _check_technique_options(o: TrainOptions) -> None:
     """Early stopping, clipping, GradScaler and DataLoader options (one-line errors)."""
     checks: list[tuple[str, bool, str]] = [
-        ("early_stopping_min_delta", _number(o.early_stopping_min_delta) and o.early_stopping_min_delta >= 0,
-         "a number >= 0"),
+        (
+            "early_stopping_min_delta",
+            _number(o.early_stopping_min_delta) and o.early_stopping_min_delta >= 0,
+            "a number >= 0",
+        ),
         ("grad_clip_mode", o.grad_clip_mode in ("norm", "value", "off"), "'norm', 'value' or 'off'"),
         ("scaler_init_scale", _number(o.scaler_init_scale) and o.scaler_init_scale > 0, "a number > 0"),
         ("scaler_growth_factor", _number(o.scaler_growth_factor) and o.scaler_growth_factor > 1, "a number > 1"),
@@ -323,8 +343,11 @@ def _check_technique_options(o: TrainOptions) -> None:
         ("num_workers", o.num_workers is None or _whole(o.num_workers, 0), "a whole number >= 0 or None"),
         ("prefetch_factor", _whole(o.prefetch_factor, 1), "a whole number >= 1"),
         ("pin_memory", o.pin_memory is None or isinstance(o.pin_memory, bool), "true, false or None"),
-        ("persistent_workers", o.persistent_workers is None or isinstance(o.persistent_workers, bool),
-         "true, false or None"),
+        (
+            "persistent_workers",
+            o.persistent_workers is None or isinstance(o.persistent_workers, bool),
+            "true, false or None",
+        ),
         ("drop_last", isinstance(o.drop_last, bool), "true or false"),
     ]
     for name, ok, what in checks:
@@ -334,4 +357,3 @@ def _check_technique_options(o: TrainOptions) -> None:
         raise ConfigError("TrainOptions.early_stopping_min_delta needs early_stopping_patience; set it")
     if o.persistent_workers and o.num_workers == 0:
         raise ConfigError("TrainOptions.persistent_workers needs worker processes; set num_workers >= 1")
-

@@ -13,9 +13,10 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -183,4 +184,3 @@ def _failure_message(exc: Any, out_dir: Path) -> str:
         message = message.get("message", "")
     detail = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
     return f"training failed on rank {rank}: {detail}"
-

@@ -9,9 +9,10 @@ layout checkpoints had before the counters were gathered here, so older checkpoi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["TrainState", "TrainResult"]
 

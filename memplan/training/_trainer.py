@@ -22,13 +22,23 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, ContextManager, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from estimators import (
-    EMA, ConfigError, ModelFileError, Task, TrainConfig, TrainingError, build_for_training, default_loss, make_optimizer,
+    EMA,
+    ConfigError,
+    ModelFileError,
+    Task,
+    TrainConfig,
+    TrainingError,
+    build_for_training,
+    default_loss,
+    make_optimizer,
     training_loss,
 )
 
@@ -76,7 +86,7 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
     """
 
     def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *,
-                 memory_guard: ContextManager[Any] | None = None,
+                 memory_guard: AbstractContextManager[Any] | None = None,
                  ladder: Sequence[Any] | None = None,
                  recovery_state: Mapping[str, Any] | None = None) -> None:
         self.rank, self.world_size = _ranks(config)
@@ -212,7 +222,9 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         self.total_steps = self._total_steps()
         self.schedule: LRSchedule = self._make_schedule()
         if self.schedule_needs_val and self.val_loader is None:
-            raise ConfigError(f"the model file's ReduceLROnPlateau scheduler needs validation data; define val_data() in {task.name}")
+            raise ConfigError(
+                f"the model file's ReduceLROnPlateau scheduler needs validation data; define val_data() in {task.name}"
+            )
 
         self.state = TrainState()  # progress, saved in checkpoints
         self.last_checkpoint_step: int | None = None
@@ -247,8 +259,10 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
             try:
                 made = task.build_scheduler(self.optimizer, self.total_steps)
             except Exception as exc:  # noqa: BLE001 - the user's code, reported with the fix
-                raise ModelFileError(f"{task.name}: scheduler(optimizer, total_steps) raised "
-                                     f"{type(exc).__name__}: {exc}; fix scheduler()") from None
+                raise ModelFileError(
+                    f"{task.name}: scheduler(optimizer, total_steps) raised "
+                    f"{type(exc).__name__}: {exc}; fix scheduler()"
+                ) from None
             schedule = ExternalSchedule(made, self.optimizer, name=task.name)
             self.schedule_needs_val = schedule.on_metric
             return schedule
@@ -289,16 +303,19 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
             raise self._nonfinite_error()
 
     def _nonfinite_error(self) -> TrainingError:
-        where = (f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
-                 if self.last_checkpoint_step is not None
-                 else "no checkpoint was written before it (set checkpoint_every to keep one)")
+        where = (
+            f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
+            if self.last_checkpoint_step is not None
+            else "no checkpoint was written before it (set checkpoint_every to keep one)"
+        )
         # fp16's narrow range overflows where bf16 and fp32 do not; a run already in bf16 or
         # fp32 has a NaN of its own making (the model, the data or the learning rate).
-        fix = {"fp16-mixed": "lower the learning rate or use bf16-mixed/fp32 instead of fp16",
-               "bf16-mixed": "lower the learning rate, or try fp32",
-               "bf16-true": "lower the learning rate, or try bf16-mixed (fp32 weights)",
-               "fp16-true": "use bf16-true or bf16-mixed: fp16 weights without a GradScaler overflow"}.get(
-            self.config.precision, "lower the learning rate, and check the model's outputs and the data for NaN/inf")
+        fix = {
+            "fp16-mixed": "lower the learning rate or use bf16-mixed/fp32 instead of fp16",
+            "bf16-mixed": "lower the learning rate, or try fp32",
+            "bf16-true": "lower the learning rate, or try bf16-mixed (fp32 weights)",
+            "fp16-true": "use bf16-true or bf16-mixed: fp16 weights without a GradScaler overflow",
+        }.get(self.config.precision, "lower the learning rate, and check the model's outputs and the data for NaN/inf")
         return TrainingError(
             f"loss was NaN/inf for {self.state.consecutive_nonfinite} consecutive steps at step {self.state.step}; {fix}; {where}"
         )
@@ -312,7 +329,7 @@ def train(
     config: TrainConfig,
     options: TrainOptions | None = None,
     *,
-    memory_guard: ContextManager[Any] | None = None,
+    memory_guard: AbstractContextManager[Any] | None = None,
     ladder: Sequence[Any] | None = None,
 ) -> TrainResult:
     """Train ``task`` with ``config``; see :class:`Trainer`.
@@ -354,10 +371,14 @@ def _check_task(task: Task, options: TrainOptions) -> None:
             f"label_smoothing applies only to the default loss, and {task.name} defines its own "
             "loss(); pass it there instead: F.cross_entropy(logits, targets, label_smoothing=0.1)"
         )
-    needs_val = [name for name, on in (
-        ("schedule='plateau'", options.schedule == "plateau"),
-        ("early_stopping_patience", options.early_stopping_patience is not None),
-    ) if on]
+    needs_val = [
+        name
+        for name, on in (
+            ("schedule='plateau'", options.schedule == "plateau"),
+            ("early_stopping_patience", options.early_stopping_patience is not None),
+        )
+        if on
+    ]
     if needs_val and task.val_data is None:
         raise ConfigError(f"{', '.join(needs_val)} needs validation data; define val_data() in {task.name}")
     if options.schedule is None and task.build_scheduler is not None:
@@ -367,6 +388,7 @@ def _check_task(task: Task, options: TrainOptions) -> None:
             what = ", ".join(f"TrainOptions.{n}" for n in given) or 'settings["warmup_steps"]'
             raise ConfigError(
                 f"{what} shapes a built-in schedule, but {task.name} defines scheduler(), which owns the lr; "
-                "drop it (put a warm-up into scheduler()), or name a built-in schedule to use instead")
+                "drop it (put a warm-up into scheduler()), or name a built-in schedule to use instead"
+            )
     if torch.device(options.device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' asked for but torch sees no CUDA GPU; use device='cpu'")
