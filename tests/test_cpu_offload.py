@@ -58,7 +58,7 @@ def test_cpu_estimate_matches_a_real_offloaded_run(lm_path: str, lm: Task) -> No
     configs = [OFFLOAD, OFFLOAD.replace(precision="bf16-mixed", grad_accum_steps=2, checkpoint_segments=2)]
     measured = measure_distributed_peaks(lm_path, configs)
     estimator = Estimator(lm, device="cpu")
-    for config, (rank0,) in zip(configs, measured):
+    for config, (rank0,) in zip(configs, measured, strict=True):
         est = estimator.estimate(config, exact=True)
         assert est.host_bytes == 0
         assert abs(est.peak_allocated_bytes - rank0.peak_bytes) <= 0.01 * rank0.peak_bytes, (

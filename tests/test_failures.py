@@ -147,10 +147,34 @@ def test_fsdp_in_bf16_keeps_batch_norm_in_fp32_at_any_micro_batch():
     task = Task(name="convbn", build_model=ConvBN, sample_fn=sample,
                 checkpoint_blocks=lambda model: list(model.blocks))
     estimator = Estimator(task, device="cpu")
+    peaks = []
     for b in (1, 2):
         est = estimator.estimate(TrainConfig(micro_batch_size=b, precision="bf16-mixed", strategy="fsdp", world_size=2),
                                  exact=True)
         assert est.peak_bytes > 0
+        peaks.append(est.peak_bytes)
+    assert peaks[1] > peaks[0]  # the activations of a second sample: each batch size was traced
+
+    # The same wrapping for real (two simulated ranks): inside forward, each batch-norm layer
+    # holds fp32 parameters while the convolutions and the head are gathered in bf16.
+    from estimators.memory._distributed import simulated_ranks
+    from estimators.runtime._parallel import apply_fsdp
+
+    seen: dict[str, torch.dtype] = {}
+    with simulated_ranks(2):
+        model = apply_fsdp(ConvBN(), precision="bf16-mixed", finder=lambda m: list(m.blocks))
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.BatchNorm2d, nn.Conv2d, nn.Linear)):
+                module.register_forward_pre_hook(
+                    lambda mod, args, name=name: seen.__setitem__(name, mod.weight.dtype))
+        for b in (1, 2):
+            seen.clear()
+            x, y = sample(b)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            nn.functional.cross_entropy(out.float(), y).backward()
+            assert seen["blocks.0.1"] == seen["blocks.1.1"] == torch.float32
+            assert seen["blocks.0.0"] == seen["blocks.1.0"] == seen["head"] == torch.bfloat16
 
 
 def test_a_configuration_whose_step_raises_when_probed_is_dropped_and_the_next_probed(tmp_path):

@@ -107,13 +107,18 @@ def test_snapshot_addresses_never_overlap_while_alive(task, closing):
     estimator = closing(task, device="cuda", gpu="A100-80GB")
     snap = to_snapshot(predicted_timeline(estimator, TrainConfig(micro_batch_size=16)))
     live: dict[int, int] = {}
+    allocs = most_live = 0
     for e in snap["device_traces"][0]:
         if e["action"] == "alloc":
             for addr, size in live.items():
                 assert e["addr"] + e["size"] <= addr or addr + size <= e["addr"]
             live[e["addr"]] = e["size"]
+            allocs += 1
+            most_live = max(most_live, len(live))
         elif e["action"] == "free_completed":
             del live[e["addr"]]
+    # A training step's trace: many blocks, many alive at once (else nothing was compared).
+    assert allocs > 50 and most_live > 10, (allocs, most_live)
 
 
 def _not_blank(path) -> None:
