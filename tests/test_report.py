@@ -1,12 +1,14 @@
 """OUT/report.html: written by fit/train, self-contained, and rendered by a real headless
-Chromium (Debian's ``chromium``; ``.ci/run`` installs it) with its charts drawn."""
+Chromium (Debian's ``chromium``, installed by the test when missing) with its charts drawn."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -73,16 +75,36 @@ def test_a_folder_with_only_some_files_still_renders(tmp_path):
     assert "no plan.json" in html and "no data" in html
 
 
+def _find_chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
 def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("the report's browser test needs Chromium: apt-get install -y chromium (.ci/run installs it)")
+    """Debian's Chromium; installed here when missing and this is a root shell with apt-get (CI's
+    machine and a fresh developer's), so that the README's one test command needs no other step.
+    A lock keeps parallel test workers from running apt-get twice."""
+    found = _find_chromium()
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        import fcntl
+
+        with open(Path(tempfile.gettempdir()) / "memplan-tests-chromium.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _find_chromium() is None:
+                env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+                for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+                    subprocess.run(cmd, env=env, capture_output=True, timeout=900)
+        found = _find_chromium()
+    if found is None:
+        pytest.fail("the report's browser test needs Chromium, and it could not be installed here: "
+                    "apt-get install -y chromium")
+    return found
 
 
 def _browse(page: Path, *args: str) -> tuple[str, str]:
+    # The network flags keep Chromium from reaching out at start (a closed network refuses it).
     proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                           "--disable-sync", f"--user-data-dir={tempfile.mkdtemp(prefix='memplan-chromium-')}",
                            "--enable-logging=stderr", "--v=0", *args, page.as_uri()],
                           capture_output=True, text=True, timeout=120)
     return proc.stdout, proc.stderr
