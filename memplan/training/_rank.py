@@ -77,16 +77,17 @@ def _rank_main(job: _RankJob) -> TrainResult | None:
         # Rank 0 speaks for the run; the others would only repeat it.
         logging.getLogger("memplan").setLevel(logging.ERROR)
     options = job.options
-    timeout = {"timeout": datetime.timedelta(seconds=job.timeout_s)} if job.timeout_s is not None else {}
+    # None: the backend's default (init_process_group's own default since torch 2.2).
+    timeout = datetime.timedelta(seconds=job.timeout_s) if job.timeout_s is not None else None
     if torch.device(options.device).type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, **timeout)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         # The ranks share this machine's cores; oversubscribing them slows every rank down.
         torch.set_num_threads(job.threads)
-        dist.init_process_group("gloo", **timeout)
+        dist.init_process_group("gloo", timeout=timeout)
     options = replace(options, device=str(device))
     try:
         task = load_task(job.model_path)
