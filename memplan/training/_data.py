@@ -90,10 +90,10 @@ class _EpochBatches:
             # global batches (the longest batch first); a pure function of (seed, epoch), so
             # a resumed run meets the same windows.
             order = torch.as_tensor(grouped_order(self.sizes, order.numpy(), self.global_batch))
-        order = order.tolist()
+        indices: list[int] = order.tolist()
         out: list[_Window] = []
         for begin in range(start, self.n_epoch, self.global_batch):
-            chunk = order[begin:min(begin + self.global_batch, self.n_epoch)]
+            chunk = indices[begin:min(begin + self.global_batch, self.n_epoch)]
             mine = chunk[self.rank::self.world_size]
             micro = [mine[i:i + self.micro] for i in range(0, len(mine), self.micro)]
             out.append(_Window(epoch=epoch, start=begin, micro_indices=micro, n_total=len(chunk)))
