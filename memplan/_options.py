@@ -32,7 +32,8 @@ from estimators import ConfigError
 from .training import TrainOptions
 
 __all__ = ["OptionSpec", "option_specs", "add_option_flags", "explicit_dests", "read_config", "resolve_options",
-           "SEARCH_KEYS", "config_template", "readme_table"]
+           "SEARCH_KEYS", "config_template", "options_table", "search_keys_table",
+           "generated_block", "write_tables"]
 
 # Fields that are not options a user sets: the plan fills them in (device, the predicted peak),
 # or a command-line flag of its own carries them (--out, --resume, --no-progress, --seed).
@@ -42,7 +43,7 @@ SEARCH_KEYS: dict[str, str] = {
     "vram": "the memory budget, e.g. \"12GB\"",
     "gpu": "plan for this card (e.g. \"A100-80GB\") without having it",
     "device": "target device type: \"cpu\" or \"cuda\"",
-    "global_batch": "fix micro x accumulation x ranks",
+    "global_batch": "samples per optimizer step, micro x accumulation x ranks (default 32)",
     "trials": "configurations to estimate",
     "probe_top": "best configurations to measure with real steps",
     "compile_top": "best configurations to probe compiled (0: none)",
@@ -283,11 +284,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """A TOML config file's keys (options and :data:`SEARCH_KEYS`); unknown keys, a missing
     file or bad TOML are one-line errors."""
     p = Path(path)
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:  # Python 3.10: the same parser as a package
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
         except ModuleNotFoundError:
             raise ConfigError("reading --config needs Python 3.11+ (tomllib) or `pip install tomli`") from None
     try:
@@ -376,8 +377,12 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))
 
 
-def readme_table() -> str:
-    """The README's table of options (between its ``options`` markers; a test keeps it current)."""
+OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
+"""The page whose generated tables :func:`write_tables` keeps current (in a source checkout)."""
+
+
+def options_table() -> str:
+    """The table of training options (``docs/options.md``, between its ``options`` markers)."""
     rows = ["| CLI flag | config / `settings` key | what |", "| --- | --- | --- |"]
     for spec in option_specs():
         flags = " ".join(f"`{f}`" for f in (spec.flag, *_ALIASES.get(spec.name, ())))
@@ -385,11 +390,42 @@ def readme_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m memplan._options` rewrites the README's table
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
-    start, end = "<!-- options:start -->\n", "<!-- options:end -->"
-    head, rest = text.split(start)
-    _old, tail = rest.split(end)
-    readme.write_text(head + start + readme_table() + "\n" + end + tail)
-    sys.stdout.write(f"wrote the option table into {readme}\n")
+def search_keys_table() -> str:
+    """The table of the config file's :data:`SEARCH_KEYS` and their flags (``docs/options.md``,
+    between its ``search-keys`` markers)."""
+    rows = ["| CLI flag | config key | what |", "| --- | --- | --- |"]
+    for key, what in SEARCH_KEYS.items():
+        rows.append(f"| `--{key.replace('_', '-')}` | `{key}` | {what} |")
+    return "\n".join(rows)
+
+
+_TABLES = {"options": options_table, "search-keys": search_keys_table}
+"""The generated blocks of :data:`OPTIONS_PAGE`, by the name in their markers."""
+
+
+def generated_block(text: str, name: str) -> str:
+    """What stands between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in ``text``."""
+    start, end = f"<!-- {name}:start -->\n", f"\n<!-- {name}:end -->"
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"expected one {start.strip()} ... {end.strip()} block")
+    return text.split(start)[1].split(end)[0]
+
+
+def write_tables(page: Path = OPTIONS_PAGE) -> list[str]:
+    """Rewrite every generated table of ``page`` from the code; the names of those that changed."""
+    text = page.read_text()
+    changed = []
+    for name, table in _TABLES.items():
+        old, new = generated_block(text, name), table()
+        if old != new:
+            marker = f"<!-- {name}:start -->\n"
+            text = text.replace(marker + old + "\n", marker + new + "\n")
+            changed.append(name)
+    if changed:
+        page.write_text(text)
+    return changed
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m memplan._options` rewrites docs/options.md's tables
+    names = write_tables()
+    sys.stdout.write(f"{OPTIONS_PAGE}: {', '.join(names) + ' rewritten' if names else 'already current'}\n")
