@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -136,9 +137,10 @@ class TrainConfig:
         return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
     def replace(self, **changes: Any) -> TrainConfig:
+        # Any field by name (callers pass changes built at run time); __post_init__ checks them.
         return replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | str | bool]:
         d = asdict(self)
         # As configurations were written before these fields existed.
         if not self.length_grouped:
@@ -154,7 +156,9 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """The configuration ``to_dict`` wrote, as read back from JSON: ``__post_init__`` checks
+        each field's value."""
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:

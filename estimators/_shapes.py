@@ -25,15 +25,21 @@ planned items themselves when it does not.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import SupportsInt, TypeAlias, cast
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
+
+from ._types import Item
 
 __all__ = ["ShapeProfile", "PlannedBatch", "profile_shapes", "planned_batch", "batch_quantiles", "largest_items",
-           "POLICIES", "SCAN_LIMIT", "PROBE_ITEMS"]
+           "POLICIES", "SCAN_LIMIT", "PROBE_ITEMS", "ItemSize", "dataset_length"]
+
+ItemSize: TypeAlias = "SupportsInt | Iterable[SupportsInt]"
+"""What ``item_sizes(dataset)`` gives per item: one size (a length), or several (``(H, W)``)."""
 
 POLICIES = ("max", "p99")
 """Shape policies a user chooses: the worst batch the loader can form, or the 99th percentile
@@ -49,6 +55,17 @@ SAMPLE_SEED = 0
 
 _SIM_BATCHES = 2000
 """Random batches simulated for the distribution (median, p99) of batch shapes."""
+
+
+@dataclass
+class _ProfileCache:
+    """What the planning functions below found for a profile, each kept by its arguments."""
+
+    worst: dict[int, PlannedBatch] = field(default_factory=dict)
+    quantiles: dict[tuple[int, int], dict[str, PlannedBatch]] = field(default_factory=dict)
+    factors: dict[tuple[tuple[int, ...], int, int], float] = field(default_factory=dict)
+    fits: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
+    by_volume: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +84,7 @@ class ShapeProfile:
     varying: bool
     collate_pads: bool = True
     """The collate pads a batch to its largest item (checked on the extreme items)."""
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _cache: _ProfileCache = field(default_factory=_ProfileCache, repr=False)
 
     @property
     def varying_dims(self) -> np.ndarray:
@@ -96,13 +113,13 @@ class PlannedBatch:
     padded: tuple[int, ...]
     """The padded size vector (elementwise max over ``items``)."""
 
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> tuple[str, tuple[int, ...]]:
         return (self.label, self.items)
 
 
 # -- finding the shapes ----------------------------------------------------------------------
 
-def size_vector(item: Any) -> list[int]:
+def size_vector(item: Item) -> list[int]:
     """An item's sizes, end to end: the shape of each tensor or array, the length of each
     list of numbers (token ids before collation), in the item's own order."""
     out: list[int] = []
@@ -110,7 +127,7 @@ def size_vector(item: Any) -> list[int]:
     return out
 
 
-def _walk(obj: Any, out: list[int]) -> None:
+def _walk(obj: object, out: list[int]) -> None:
     if isinstance(obj, torch.Tensor):
         out.extend(int(s) for s in obj.shape)
     elif isinstance(obj, np.ndarray):
@@ -135,14 +152,29 @@ def _as_matrix(rows: Sequence[Sequence[int]]) -> np.ndarray:
     return m
 
 
-def profile_shapes(data: Any, *, item_sizes: Callable[[Any], Sequence[Any]] | None = None,
+def dataset_length(data: Dataset[Item]) -> int:
+    """The length of a map-style dataset (``Dataset`` itself declares no ``__len__``)."""
+    if not isinstance(data, Sized):
+        raise TypeError(f"object of type {type(data).__name__!r} has no len()")
+    return len(data)
+
+
+def _size_row(size: ItemSize) -> list[int]:
+    """One item's ``item_sizes()`` entry as a size vector."""
+    ndim = getattr(size, "ndim", None)  # as np.ndim finds it
+    if (np.asarray(size).ndim if ndim is None else ndim) == 0:
+        return [int(cast(SupportsInt, size))]
+    return [int(v) for v in cast(Iterable[SupportsInt], size)]
+
+
+def profile_shapes(data: Dataset[Item], *, item_sizes: Callable[[Dataset[Item]], Sequence[ItemSize]] | None = None,
                    name: str = "train_data()") -> ShapeProfile:
     """The size profile of ``data`` (see the module docstring for the order of sources)."""
     from torch.utils.data import TensorDataset
 
     from ._errors import ModelFileError
 
-    n = len(data)
+    n = dataset_length(data)
     every = np.arange(n, dtype=np.int64)
     if item_sizes is not None:
         try:
@@ -152,7 +184,7 @@ def profile_shapes(data: Any, *, item_sizes: Callable[[Any], Sequence[Any]] | No
         if len(raw) != n:
             raise ModelFileError(f"{name}: item_sizes(dataset) gave {len(raw)} sizes for {n} items; "
                                  "return one int or tuple of ints per item, in dataset order")
-        rows = [[int(x)] if np.ndim(x) == 0 else [int(v) for v in x] for x in raw]
+        rows = [_size_row(x) for x in raw]
         return _profile(n, every, _as_matrix(rows), "item_sizes()", f"all {n:,} items")
     columns = getattr(data, "column_names", None)
     if isinstance(columns, (list, tuple)):
@@ -197,9 +229,9 @@ def worst_items(profile: ShapeProfile, k: int) -> PlannedBatch:
     """At most ``k`` items whose padded batch is the largest (greedy: each next item grows
     the padded volume most; it stops once no item grows it). With one varying size, the
     longest item; with (H, W), the tallest and the widest when ``k >= 2``."""
-    key = ("max", min(k, len(profile.sizes)))
-    if key in profile._cache:
-        return profile._cache[key]
+    key = min(k, len(profile.sizes))
+    if key in profile._cache.worst:
+        return profile._cache.worst[key]
     sizes = profile.sizes
     own = _volume(sizes)
     cur = np.zeros(sizes.shape[1], dtype=np.int64)
@@ -215,7 +247,7 @@ def worst_items(profile: ShapeProfile, k: int) -> PlannedBatch:
         chosen.append(j)
         cur = np.maximum(cur, sizes[j])
     planned = PlannedBatch("max", tuple(int(profile.indices[j]) for j in chosen), tuple(int(x) for x in cur))
-    profile._cache[key] = planned
+    profile._cache.worst[key] = planned
     return planned
 
 
@@ -241,9 +273,9 @@ def _simulated_batches(profile: ShapeProfile, b: int, grouped: int = 0) -> tuple
 def batch_quantiles(profile: ShapeProfile, b: int, *, grouped: int = 0) -> dict[str, PlannedBatch]:
     """The median and 99th-percentile batch (by padded volume) of random batches of ``b``
     items, and the worst batch the loader can form (``max``)."""
-    key = ("quantiles", b, grouped)
-    if key in profile._cache:
-        return profile._cache[key]
+    key = (b, grouped)
+    if key in profile._cache.quantiles:
+        return profile._cache.quantiles[key]
     padded, pos = _simulated_batches(profile, b, grouped)
     vol = _volume(padded)
     order = np.argsort(vol, kind="stable")
@@ -257,7 +289,7 @@ def batch_quantiles(profile: ShapeProfile, b: int, *, grouped: int = 0) -> dict[
         items = tuple(int(profile.indices[j]) for j in setters[: b])
         out[label] = PlannedBatch(label, items, tuple(int(x) for x in padded[row]))
     out["max"] = worst_items(profile, b)
-    profile._cache[key] = out
+    profile._cache.quantiles[key] = out
     return out
 
 
@@ -275,22 +307,21 @@ def padding_factor(profile: ShapeProfile, planned: PlannedBatch, b: int, grouped
     """The mean padded volume of an epoch's batches of ``b`` (random, or length-grouped by
     global batches of ``grouped``) over the planned batch's: the share of the planned batch's
     step time an average step takes, to first order (attention's quadratic part aside)."""
-    key = ("factor", planned.padded, b, grouped)
-    if key not in profile._cache:
+    key = (planned.padded, b, grouped)
+    if key not in profile._cache.factors:
         padded, _ = _simulated_batches(profile, b, grouped)
-        profile._cache[key] = float(_volume(padded).mean() / _volume(np.asarray(planned.padded)))
-    return profile._cache[key]
+        profile._cache.factors[key] = float(_volume(padded).mean() / _volume(np.asarray(planned.padded)))
+    return profile._cache.factors[key]
 
 
 def fill_items(profile: ShapeProfile, planned: PlannedBatch, count: int, offset: int) -> list[int]:
     """``count`` items (cycled from ``offset``) no larger than ``planned``'s padded size in any
     dimension: the rest of a batch, which padding leaves at that size."""
-    key = ("fits", planned.padded)
-    fits = profile._cache.get(key)
+    fits = profile._cache.fits.get(planned.padded)
     if fits is None:
         ok = (profile.sizes <= np.asarray(planned.padded)).all(axis=1)
         fits = profile.indices[ok]
-        profile._cache[key] = fits
+        profile._cache.fits[planned.padded] = fits
     if count <= 0 or len(fits) == 0:
         return []
     start = offset % len(fits)
@@ -300,10 +331,10 @@ def fill_items(profile: ShapeProfile, planned: PlannedBatch, count: int, offset:
 def largest_items(profile: ShapeProfile, count: int) -> list[int]:
     """The ``count`` largest known items, largest first (cycled when there are fewer): the
     worst batch of a collate that does not pad (packing grows with every item)."""
-    order = profile._cache.get("by_volume")
+    order = profile._cache.by_volume
     if order is None:
         order = profile.indices[np.argsort(-_volume(profile.sizes), kind="stable")]
-        profile._cache["by_volume"] = order
+        profile._cache.by_volume = order
     return [int(order[i % len(order)]) for i in range(count)]
 
 

@@ -30,19 +30,30 @@ import importlib.util
 import itertools
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
 from ._errors import ConfigError, ModelFileError
-from ._shapes import POLICIES, PlannedBatch, ShapeProfile, fill_items, largest_items, planned_batch
+from ._shapes import (
+    POLICIES,
+    ItemSize,
+    PlannedBatch,
+    ShapeProfile,
+    dataset_length,
+    fill_items,
+    largest_items,
+    planned_batch,
+)
 from ._task_data import (
     _as_factory,
     _cached_dataset,
@@ -53,11 +64,10 @@ from ._task_data import (
     _repeat_rows,
     module_fingerprint,
 )
+from ._types import Batch, Item, Setting
 from .runtime._options import StepOptions
 
 __all__ = ["Task", "load_task", "default_loss", "default_logits_and_targets", "default_optimizer"]
-
-Batch = Any
 
 
 def default_logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,18 +123,18 @@ class Task:
     build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
     train_data: Callable[[], Dataset] | None = None
     val_data: Callable[[], Dataset] | None = None
-    collate: Callable[[Sequence[Any]], Batch] = default_collate
-    build_scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
+    collate: Callable[[list[Item]], Batch] = default_collate
+    build_scheduler: Callable[[torch.optim.Optimizer, int], LRScheduler] | None = None
     """``scheduler(optimizer, total_steps) -> LRScheduler``; ``None``: the trainer's built-in schedule."""
     checkpoint_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
     sample_fn: Callable[[int], Batch] | None = None
     """Makes a real batch of a given size (used when there is no dataset)."""
-    settings: Mapping[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, Setting] = field(default_factory=dict)
     source_path: str | None = None
     source_hash: str | None = None
     prebuilt: nn.Module | None = None
     """The user's own module (``from_module``); never mutated by memplan."""
-    item_sizes: Callable[[Dataset], Sequence[Any]] | None = None
+    item_sizes: Callable[[Dataset], Sequence[ItemSize]] | None = None
     """Per item of the dataset, the sizes that vary (see ``estimators._shapes``)."""
     shape_policy: str = "max"
     """Which batch estimates are made for when items vary in shape: ``max``, the worst the
@@ -132,8 +142,10 @@ class Task:
     step: StepOptions = field(default_factory=StepOptions)
     """What the training step runs besides forward, backward and the optimizer step
     (clipping, EMA, label smoothing): the trainer's defaults unless :meth:`with_step` says."""
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
-    """The loaded dataset and batch template: loaded once per task, dropped with it."""
+    _cache: dict[Hashable, object] = field(default_factory=dict, repr=False)
+    """The loaded dataset, its shapes and batch templates: loaded once per task, dropped with it.
+    Values of several kinds (the user's dataset and batches among them), each read back only
+    by the helper that stored it under its key."""
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -146,10 +158,10 @@ class Task:
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
         train_data: Callable[[], Dataset] | Dataset | None = None,
         val_data: Callable[[], Dataset] | Dataset | None = None,
-        collate: Callable[[Sequence[Any]], Batch] | None = None,
-        scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None,
+        collate: Callable[[list[Item]], Batch] | None = None,
+        scheduler: Callable[[torch.optim.Optimizer, int], LRScheduler] | None = None,
         name: str | None = None,
-        settings: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Setting] | None = None,
     ) -> Task:
         """A task for an in-memory module. ``sample`` is a batch (leading dimension = batch)
         or a callable ``sample(batch_size) -> batch``; without it, batches come from
@@ -166,8 +178,8 @@ class Task:
             build_model=lambda: module,
             loss_fn=loss or default_loss,
             build_optimizer=optimizer,
-            train_data=_as_factory(train_data),  # type: ignore[arg-type]
-            val_data=_as_factory(val_data),  # type: ignore[arg-type]
+            train_data=_as_factory(train_data),
+            val_data=_as_factory(val_data),
             collate=collate or default_collate,
             build_scheduler=scheduler,
             sample_fn=sample_fn,
@@ -207,8 +219,10 @@ class Task:
 
     def dataset_size(self) -> int | None:
         data = self.dataset()
+        if data is None:
+            return None
         try:
-            return len(data)  # type: ignore[arg-type]
+            return dataset_length(data)
         except TypeError:
             return None
 
@@ -223,7 +237,7 @@ class Task:
             raise ConfigError(f"unknown shape policy {policy!r}; use one of {', '.join(POLICIES)}")
         if policy == self.shape_policy:
             return self
-        shared = {k: self._cache[k] for k in ("dataset", "shapes") if k in self._cache}
+        shared: dict[Hashable, object] = {k: self._cache[k] for k in ("dataset", "shapes") if k in self._cache}
         task = replace(self, shape_policy=policy, _cache=shared)
         return task
 
@@ -251,7 +265,7 @@ class Task:
         data = self.dataset()
         if data is None:
             raise ModelFileError(f"{self.name}: define train_data() so memplan can build batches")
-        n = len(data)  # type: ignore[arg-type]
+        n = dataset_length(data)
         if n == 0:
             raise ModelFileError(f"{self.name}: train_data() is empty; it must hold at least one item")
         planned = self.planned(like or batch_size)
@@ -264,7 +278,7 @@ class Task:
             indices += fill_items(self.shapes(), planned, batch_size - len(indices), offset)
         return self._collate([data[i] for i in indices])
 
-    def _collate(self, items: list[Any]) -> Batch:
+    def _collate(self, items: list[Item]) -> Batch:
         try:
             return self.collate(items)
         except Exception as exc:  # noqa: BLE001 - the user's data, reported with the fix
@@ -301,7 +315,7 @@ class Task:
                             is_leaf=_is_spec)
         template = self.batch_template(like or batch_size) if planned is not None else self.batch_template()
 
-        def grow(leaf: Any) -> Any:
+        def grow(leaf: object) -> object:
             if isinstance(leaf, torch.Tensor):
                 if leaf.dim() == 0:
                     return torch.empty((), dtype=leaf.dtype)
@@ -326,6 +340,7 @@ def load_task(path: str | Path) -> Task:
     p = Path(path)
     module = _import_model_file(p, path)
 
+    # The file's own functions: what they take and return is the file's (checked where called).
     def need_callable(name: str, required: bool, signature: str) -> Callable[..., Any] | None:
         obj = getattr(module, name, None)
         if obj is None:
@@ -337,6 +352,7 @@ def load_task(path: str | Path) -> Task:
         return obj
 
     build = need_callable("model", True, "model() -> torch.nn.Module")
+    assert build is not None  # required: need_callable raised otherwise
     train = need_callable("train_data", True, "train_data() -> torch.utils.data.Dataset")
     val = need_callable("val_data", False, "val_data() -> Dataset")
     loss = need_callable("loss", False, "loss(model, batch) -> Tensor")
@@ -351,22 +367,22 @@ def load_task(path: str | Path) -> Task:
         raise ModelFileError(f"{p.name}: settings must be a dict, got {type(settings).__name__}")
     return Task(
         name=p.name,
-        build_model=_checked_builder(build, p),  # type: ignore[arg-type]
-        loss_fn=loss or default_loss,  # type: ignore[arg-type]
-        build_optimizer=opt,  # type: ignore[arg-type]
-        train_data=train,  # type: ignore[arg-type]
-        val_data=val,  # type: ignore[arg-type]
-        collate=collate or default_collate,  # type: ignore[arg-type]
-        build_scheduler=scheduler,  # type: ignore[arg-type]
-        checkpoint_blocks=blocks,  # type: ignore[arg-type]
-        item_sizes=sizes,  # type: ignore[arg-type]
+        build_model=_checked_builder(build, p),
+        loss_fn=loss or default_loss,
+        build_optimizer=opt,
+        train_data=train,
+        val_data=val,
+        collate=collate or default_collate,
+        build_scheduler=scheduler,
+        checkpoint_blocks=blocks,
+        item_sizes=sizes,
         settings=dict(settings),
         source_path=str(p.resolve()),
         source_hash=_file_hash(p),
     )
 
 
-def _import_model_file(p: Path, path: str | Path) -> Any:
+def _import_model_file(p: Path, path: str | Path) -> ModuleType:
     """The model file imported as a module of its own (its directory on the path meanwhile)."""
     if not p.is_file():
         raise ModelFileError(f"model file {str(path)!r} not found; pass the path of a .py file that defines model()")
@@ -391,11 +407,11 @@ def _import_model_file(p: Path, path: str | Path) -> Any:
     return module
 
 
-def _checked_builder(build: Callable[[], Any], p: Path) -> Callable[[], nn.Module]:
+def _checked_builder(build: Callable[[], object], p: Path) -> Callable[[], nn.Module]:
     """``model()`` of the file, its errors and a return that is not a module reported."""
     def build_model() -> nn.Module:
         try:
-            m = build()  # type: ignore[misc]
+            m = build()
         except Exception as exc:  # noqa: BLE001
             raise ModelFileError(f"{p.name}: model() raised {_one_line(exc)}{_user_frame(exc, p)}; fix model()") from None
         if not isinstance(m, nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -18,14 +18,14 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset
 
 from ._errors import ModelFileError
-from ._shapes import ShapeProfile, profile_shapes, worst_items
+from ._shapes import ShapeProfile, dataset_length, profile_shapes, worst_items
+from ._types import Batch, Item
 
-Batch = Any
-Task = Any
-"""A ``_task.Task`` (named loosely here: ``_task`` imports this module, not the other way)."""
+if TYPE_CHECKING:  # ``_task`` imports this module, not the other way
+    from ._task import Task
 
 
-def _is_spec(x: Any) -> bool:
+def _is_spec(x: object) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
 
 
@@ -40,10 +40,12 @@ def _cached_shapes(task: Task) -> ShapeProfile:
             if profile.varying:
                 profile = _check_collate(task, data, profile)
         task._cache["shapes"] = profile
-    return task._cache["shapes"]
+    cached = task._cache["shapes"]
+    assert isinstance(cached, ShapeProfile)
+    return cached
 
 
-def _check_collate(task: Task, data: Any, profile: ShapeProfile) -> ShapeProfile:
+def _check_collate(task: Task, data: Dataset[Item], profile: ShapeProfile) -> ShapeProfile:
     """Call the collate on the extreme items: the longest together, and with the shortest
     added. Padding to the longest item keeps the per-item shape and grows the leading
     dimension by one; a collate padding every batch to one length makes the data
@@ -69,12 +71,16 @@ def _leaf_shapes(batch: Batch) -> list[tuple[int, ...]]:
 
 
 def _as_factory(data: Callable[[], Dataset] | Dataset | None) -> Callable[[], Dataset] | None:
-    if data is None or (callable(data) and not isinstance(data, Dataset)):
-        return data  # type: ignore[return-value]
-    return lambda d=data: d
+    if data is None:
+        return None
+    if isinstance(data, Dataset) or not callable(data):
+        dataset = data  # a dataset given as is (a callable one too): the factory hands it back
+        return lambda: dataset
+    return data
 
 
-def module_fingerprint(module: nn.Module, sample_fn: Callable[[int], Batch] | None, data: Any) -> str:
+def module_fingerprint(module: nn.Module, sample_fn: Callable[[int], Batch] | None,
+                       data: Callable[[], Dataset] | Dataset | None) -> str:
     """What tells two in-memory models apart for a cached study: the module's structure (its
     repr names every layer and its sizes), each parameter's and buffer's name, shape, dtype and
     trainability, and the shapes and dtypes of a sample batch. Two models of one class but
@@ -89,7 +95,8 @@ def module_fingerprint(module: nn.Module, sample_fn: Callable[[int], Batch] | No
             batch = sample_fn(2)
         else:
             dataset = data() if callable(data) and not isinstance(data, Dataset) else data
-            batch = [dataset[0], len(dataset)]  # type: ignore[index,arg-type]
+            assert dataset is not None  # Task.from_module asks for a sample or data
+            batch = [dataset[0], dataset_length(dataset)]
         for leaf in _leaves(batch):
             h.update((f"{tuple(leaf.shape)}:{leaf.dtype}" if isinstance(leaf, torch.Tensor) else repr(leaf)).encode())
     except Exception:  # noqa: BLE001 - a batch that cannot be made fails later, with its own message
@@ -111,7 +118,8 @@ def _cached_dataset(task: Task) -> Dataset | None:
                 "torch.utils.data.Dataset (with __len__ and __getitem__)"
             )
         task._cache["dataset"] = data
-    return task._cache["dataset"]
+    # The model file's dataset, as stored above (checked map-style; not always a Dataset subclass).
+    return cast(Dataset, task._cache["dataset"])
 
 
 def _cached_template(task: Task) -> Batch:
@@ -126,7 +134,7 @@ def _repeat_rows(sample: Batch) -> Callable[[int], Batch]:
         raise ModelFileError("sample must be a tensor or a tuple/dict of tensors with a leading batch dimension")
 
     def make(batch_size: int) -> Batch:
-        def grow(leaf: Any) -> Any:
+        def grow(leaf: object) -> object:
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                 reps = -(-batch_size // leaf.shape[0])
                 return leaf.repeat(reps, *([1] * (leaf.dim() - 1)))[:batch_size].clone()
@@ -135,7 +143,7 @@ def _repeat_rows(sample: Batch) -> Callable[[int], Batch]:
     return make
 
 
-def _leaves(tree: Any) -> list[Any]:
+def _leaves(tree: Batch) -> list[object]:
     from torch.utils._pytree import tree_flatten
     return tree_flatten(tree)[0]
 
