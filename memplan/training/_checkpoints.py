@@ -10,14 +10,15 @@ import logging
 import math
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import DataLoader
 
 from estimators import ConfigError, TrainConfig, TrainingError
 
@@ -32,6 +33,13 @@ from ._checkpoint_io import (
     save_sharded,
 )
 
+if TYPE_CHECKING:
+    from estimators import EMA, Task
+
+    from .._schedules import LRSchedule
+    from ._options import TrainOptions
+    from ._state import TrainState
+
 __all__: list[str] = []
 
 log = logging.getLogger("memplan.trainer")
@@ -41,6 +49,36 @@ CHECKPOINT_FORMAT = 1
 
 class _Checkpoints:
     """Save, resume and restore (a part of :class:`~memplan.training.Trainer`)."""
+
+    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
+    task: Task
+    config: TrainConfig
+    options: TrainOptions
+    state: TrainState
+    device: torch.device
+    world_size: int
+    is_main: bool  # _RankAgreement's (read-only) property
+    out_dir: Path
+    checkpoint_path: Path
+    best_path: Path
+    last_checkpoint_step: int | None
+    _last_dcp: str | None
+    _pending_evaluation: bool
+    n_train: int
+    val_loader: DataLoader | None
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    ema: EMA | None
+    schedule: LRSchedule
+    ladder: list[TrainConfig]
+    _tried: list[TrainConfig]
+    recoveries: list[dict[str, Any]]
+    _decided: dict[str, Any] | None
+    _set_phase: Callable[[str], None]
+    _flush_log: Callable[[], None]
+    _agree: Callable[[bool], bool]
+    _switch_config: Callable[[TrainConfig], None]
 
     def _save_checkpoint(self, *, collective: bool = True, pending_evaluation: bool = False) -> None:
         """``checkpoint.pt``; under FSDP2 with the sharded tensors in a ``torch.distributed.checkpoint``

@@ -16,15 +16,21 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from estimators import ConfigError, ModelFileError, grouped_order, to_device
+
+if TYPE_CHECKING:
+    from estimators import Task, TrainConfig
+
+    from ._options import TrainOptions
+    from ._state import TrainState
 
 __all__ = ["epoch_permutation", "epoch_items"]
 
@@ -160,6 +166,15 @@ class _Loaders:
     """The trainer's datasets, loaders and windows (a part of :class:`~memplan.training.Trainer`:
     it reads ``task``, ``config``, ``options``, ``device``, ``rank``, ``world_size`` and ``state``)."""
 
+    # Set by the Trainer; annotations only (nothing at runtime), for the type checker.
+    task: Task
+    config: TrainConfig
+    options: TrainOptions
+    device: torch.device
+    rank: int
+    world_size: int
+    state: TrainState
+
     def _setup_data(self) -> None:
         """Datasets and loaders. Runs first and outside the memory guard: the dataset is not
         part of the training step's memory (on a GPU it is not even on the device), and dataset
@@ -168,6 +183,7 @@ class _Loaders:
         opts, task, config = self.options, self.task, self.config
         dataset = task.dataset()
         assert dataset is not None
+        # (torch's Dataset declares no __len__; Task.dataset() checked that this one has it.)
         self.n_train = len(dataset)  # type: ignore[arg-type]
         if self.n_train == 0:
             raise ModelFileError(f"{task.name}: train_data() is empty; it must hold at least one item")
@@ -237,6 +253,7 @@ class _Loaders:
         # Validation needs no gradients, so the training micro-batch always fits. Its own
         # generator: evaluating must not move anything the training data order depends on.
         # Distributed: rank r evaluates items r::W (every item once; sums are all-reduced).
+        # (torch's Dataset declares no __len__; _make_val_loader checked that this one has it.)
         sampler = None if self.world_size == 1 else list(range(self.rank, len(data), self.world_size))  # type: ignore[arg-type]
         return self._make_loader(
             data,
@@ -247,7 +264,7 @@ class _Loaders:
             generator=torch.Generator().manual_seed(self.options.seed),
         )
 
-    def _windows(self) -> Iterator[tuple[_Window, Iterator[Batch]]]:
+    def _windows(self) -> Generator[tuple[_Window, Iterator[Batch]], None, None]:
         """Windows from the current data position on, across epochs, without end.
 
         Each comes with an iterator over its collated micro-batches, read lazily from the
@@ -267,8 +284,9 @@ class _Loaders:
         """The window's micro-batches straight from the dataset, one at a time: for replaying a
         window (``window.recut(new_micro)``) without the DataLoader; a plain run never does."""
         dataset = self.task.dataset()
+        assert dataset is not None  # loaded by _setup_data (and cached by the task)
         for indices in window.micro_indices:
-            yield self.task.collate([dataset[i] for i in indices])  # type: ignore[index]
+            yield self.task.collate([dataset[i] for i in indices])
 
     def _to_device(self, batch: Batch) -> Batch:
         return to_device(batch, self.device)  # as the step moves its batches (non-blocking on CUDA)

@@ -4,14 +4,26 @@ with itself without a collective. A part of :class:`~memplan.training.Trainer`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from estimators import TrainConfig
 
 __all__: list[str] = []
 
 
 class _RankAgreement:
     """Collectives over ``world_size`` ranks (reads ``rank``, ``world_size``, ``config``, ``device``)."""
+
+    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
+    rank: int
+    world_size: int
+    config: TrainConfig
+    device: torch.device
+    _stop_signal: str | None
 
     @property
     def distributed(self) -> bool:

@@ -9,17 +9,29 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader
 
 from estimators import ConfigError, convert_input, default_logits_and_targets, default_loss, forward_context
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
+
+    from estimators import EMA, Task, TrainConfig
+
+    from .._schedules import LRSchedule
+    from ._options import TrainOptions
+    from ._state import TrainState
 
 __all__: list[str] = []
 
@@ -28,6 +40,29 @@ Batch = Any
 
 class _Evaluation:
     """Validation and the best weights (reads ``val_loader``, ``model``, ``ema``, ``state``)."""
+
+    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
+    task: Task
+    config: TrainConfig
+    options: TrainOptions
+    state: TrainState
+    device: torch.device
+    world_size: int
+    distributed: bool  # _RankAgreement's (read-only) property
+    is_main: bool  # _RankAgreement's (read-only) property
+    _comm_device: torch.device  # _RankAgreement's (read-only) property
+    best_path: Path
+    model_path: Path
+    model: nn.Module
+    forward_model: nn.Module
+    ema: EMA | None
+    schedule: LRSchedule
+    val_loader: DataLoader | None
+    _bar: tqdm[NoReturn]
+    _to_device: Callable[[Batch], Batch]
+    _set_phase: Callable[[str], None]
+    _evaluate_recovering: Callable[[], dict[str, float]]
+    _log: Callable[[dict[str, Any]], None]
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -92,7 +127,7 @@ class _Evaluation:
         """This rank's validation batches, then as many padding passes (the first batch again,
         not counted) as it takes to match the rank with the most batches."""
         assert self.val_loader is not None
-        n_val = len(self.val_loader.dataset)  # type: ignore[arg-type]
+        n_val = len(self.val_loader.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
         most = math.ceil(math.ceil(n_val / self.world_size) / self.config.micro_batch_size)
         first, seen = None, 0
         for batch in self.val_loader:
@@ -101,7 +136,7 @@ class _Evaluation:
             seen += 1
             yield batch, True
         if first is None:  # fewer items than ranks: this rank has none
-            first = self.task.collate([self.val_loader.dataset[0]])  # type: ignore[index]
+            first = self.task.collate([self.val_loader.dataset[0]])
         for _ in range(most - seen):
             yield first, False
 

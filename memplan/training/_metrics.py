@@ -9,9 +9,10 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -19,6 +20,15 @@ from estimators import format_size
 
 from ._data import _Window
 from ._window import _WindowOutcome
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
+
+    from estimators import Task, TrainConfig
+
+    from ._monitor import TrainingMonitor
+    from ._options import TrainOptions
+    from ._state import TrainState
 
 __all__: list[str] = []
 
@@ -29,6 +39,28 @@ _LOG_WRITE_SECONDS = 1.0
 
 class _Metrics:
     """The metrics log, the progress bar and the summary (reads ``state``, ``options``)."""
+
+    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
+    task: Task
+    config: TrainConfig
+    options: TrainOptions
+    state: TrainState
+    device: torch.device
+    world_size: int
+    is_main: bool  # _RankAgreement's (read-only) property
+    memory_guard: AbstractContextManager[Any] | None
+    metrics_path: Path
+    model_path: Path
+    checkpoint_path: Path
+    total_steps: int
+    recoveries: list[dict[str, Any]]
+    largest_batch: dict[str, Any] | None
+    _peak_floor: int | None
+    _throughput: list[tuple[int, float]]
+    _monitor: TrainingMonitor
+    _stop_signal: str | None
+    _bar: tqdm[NoReturn]
+    _max_over_ranks: Callable[[int | None], int | None]
 
     def _open_log(self, resumed: bool) -> None:
         """Rank 0 alone writes the log (appended to when resumed); the others write to nowhere."""
@@ -84,7 +116,7 @@ class _Metrics:
         self._metrics_file.flush()
         self._log_written_at = time.monotonic()
 
-    def _progress_bar(self) -> Any:
+    def _progress_bar(self) -> tqdm[NoReturn]:
         from tqdm.auto import tqdm
 
         # disable=None lets tqdm hide the bar when stderr is not a terminal (CI logs, files).

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
 
 from estimators import ConfigError, TrainConfig, TrainingError, checkpoint_more, format_size, is_oom_error
 
-from ._data import _seed_torch, _Window, _window_seed
+from ._data import _EpochBatches, _seed_torch, _Window, _window_seed
 from ._recovery import (
     DistributedOOM,
     OOMRecord,
@@ -37,6 +41,15 @@ from ._recovery import (
 )
 from ._window import _WindowOutcome
 
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
+
+    from estimators import BuiltModel, Task
+
+    from ._options import TrainOptions
+    from ._recovery import _Snapshot
+    from ._state import TrainState
+
 __all__: list[str] = []
 
 log = logging.getLogger("memplan.trainer")
@@ -44,8 +57,55 @@ log = logging.getLogger("memplan.trainer")
 Batch = Any
 
 
+class _SaveCheckpoint(Protocol):
+    """The signature of ``_Checkpoints._save_checkpoint`` (keyword-only arguments, which
+    ``Callable`` cannot say)."""
+
+    def __call__(self, *, collective: bool = True, pending_evaluation: bool = False) -> None: ...
+
+
 class _InProcessRecovery:
     """OOM recovery (reads ``ladder``, ``memory_guard``, ``recoveries``; calls the step)."""
+
+    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
+    task: Task
+    config: TrainConfig
+    options: TrainOptions
+    state: TrainState
+    device: torch.device
+    rank: int
+    distributed: bool  # _RankAgreement's (read-only) property
+    is_main: bool  # _RankAgreement's (read-only) property
+    memory_guard: AbstractContextManager[Any] | None
+    out_dir: Path
+    checkpoint_path: Path
+    last_checkpoint_step: int | None
+    model: nn.Module
+    forward_model: nn.Module
+    _built: BuiltModel
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    sampler: _EpochBatches
+    val_loader: DataLoader | None
+    ladder: list[TrainConfig]
+    _ladder_peaks: dict[TrainConfig, int]
+    _tried: list[TrainConfig]
+    recoveries: list[dict[str, Any]]
+    _recovering: bool
+    _decided: dict[str, Any] | None
+    _phase: str
+    _optimizer_undo: _Snapshot | None
+    _peak_floor: int | None
+    _bar: tqdm[NoReturn]
+    _run_window: Callable[[_Window, Iterator[Batch], TrainConfig], _WindowOutcome]
+    _collate_window: Callable[[_Window], Iterator[Batch]]
+    _val_loader_for: Callable[[Dataset], DataLoader]
+    _make_scaler: Callable[[str], torch.amp.GradScaler | None]
+    evaluate: Callable[[], dict[str, float]]
+    _window_peak: Callable[[], int | None]
+    _peak_memory: Callable[[], int | None]
+    _log: Callable[[dict[str, Any]], None]
+    _save_checkpoint: _SaveCheckpoint
 
     def _set_phase(self, phase: str) -> None:
         """Name the part of the step that runs (for the recovery log and the guard's injector)."""
@@ -132,8 +192,8 @@ class _InProcessRecovery:
             self._peak_floor = max(self._peak_floor or 0, peak)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif hasattr(self.memory_guard, "reset_peak"):
-            self.memory_guard.reset_peak()  # type: ignore[union-attr]
+        elif self.memory_guard is not None and hasattr(self.memory_guard, "reset_peak"):
+            self.memory_guard.reset_peak()
 
     def _budget(self) -> int | None:
         budget = getattr(self.memory_guard, "budget_bytes", None)

@@ -51,7 +51,7 @@ from ._metrics import _Metrics, _write_json_atomic
 from ._monitor import TrainingMonitor
 from ._oom import _InProcessRecovery
 from ._options import TrainOptions
-from ._recovery import ladder_configs, ladder_peaks
+from ._recovery import _Snapshot, ladder_configs, ladder_peaks
 from ._signals import _Signals
 from ._state import TrainResult, TrainState
 from ._window import _Step, _WindowOutcome
@@ -104,7 +104,7 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         self.ladder: list[TrainConfig] = ladder_configs(ladder, config)
         self._ladder_peaks = ladder_peaks(ladder)
         self._recovering = ladder is not None  # without a ladder an OOM propagates
-        self._optimizer_undo: Any = None
+        self._optimizer_undo: _Snapshot | None = None
         self._peak_floor: int | None = None
         self.largest_batch: dict[str, Any] | None = None
         """The largest micro-batch met (step, elements, shapes) and its step's peak."""

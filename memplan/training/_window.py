@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from estimators import StepHooks, StepParts, TrainConfig, make_grad_scaler, train_step
 
 from ._data import _Window
 from ._recovery import snapshot_optimizer
+
+if TYPE_CHECKING:
+    from estimators import EMA
+    from estimators.runtime._step import LossFn
+
+    from ._monitor import TrainingMonitor
+    from ._options import TrainOptions
+    from ._recovery import _Snapshot
 
 __all__: list[str] = []
 
@@ -54,7 +63,7 @@ class _WindowOutcome:
 class _WindowHooks(StepHooks):
     """What the trainer decides inside the shared step."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: _Step) -> None:
         self.t = trainer
         self.largest: tuple[int, list[list[int]]] | None = None
         self.loss_value = math.nan
@@ -107,13 +116,34 @@ class _WindowHooks(StepHooks):
         t._monitor.capture(t.model, t.step + 1, grad_norm=self.grad_norm, clip=t.options.grad_clip)
         return True
 
-    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         self.t._optimizer_undo = None
 
 
 class _Step:
     """The trainer's step (a part of :class:`~memplan.training.Trainer`: it reads the model, the
     optimizer, the scaler, the options and the phase hooks of the others)."""
+
+    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
+    config: TrainConfig
+    options: TrainOptions
+    device: torch.device
+    world_size: int
+    distributed: bool  # _RankAgreement's (read-only) property
+    model: nn.Module
+    forward_model: nn.Module
+    _wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    ema: EMA | None
+    _loss_fn: LossFn
+    _monitor: TrainingMonitor
+    _recovering: bool
+    _optimizer_undo: _Snapshot | None
+    _set_phase: Callable[[str], None]
+    if TYPE_CHECKING:  # the Trainer's read-only property (an annotation would declare a writable attribute)
+        @property
+        def step(self) -> int: ...
 
     def _step_parts(self, config: TrainConfig) -> StepParts:
         return StepParts(model=self.model, forward_model=self.forward_model, wrapped=self._wrapped,
@@ -149,7 +179,7 @@ class _Step:
         return _WindowOutcome(hooks.loss_value, applied=result.applied, scaler_skipped=not result.applied,
                               grad_norm=hooks.grad_norm, seconds=seconds, largest_batch=hooks.largest)
 
-    def _make_scaler(self, precision: str) -> Any:
+    def _make_scaler(self, precision: str) -> torch.amp.GradScaler | None:
         return make_grad_scaler(precision, self.device.type, sharded=self.config.strategy == "fsdp",
                                 **self.options.scaler_kwargs())
 
