@@ -93,6 +93,8 @@ class Recorder(TorchDispatchMode):
         self.op_new_bytes: list[int] = []  # per op: bytes of the storages it created
         self.quiet = False  # batch creation is not part of the step's ops
         self.label_ops = False  # wrap ops in profiler ranges (real runs measuring workspaces)
+        # Shown each compute op's index, func, args and kwargs (workspace fits keep them to replay).
+        self.on_compute: Any = None
         self.host: list[int] = []  # allocations in host memory whatever the device
         self.resized: list[int] = []  # allocations freed by resizing their storage to 0
 
@@ -194,6 +196,8 @@ class Recorder(TorchDispatchMode):
         name = _OP_NAMES.get(packet)
         if name is None:
             name = _OP_NAMES[packet] = str(packet)
+        if flops and self.on_compute is not None:
+            self.on_compute(len(self.ops), func, args, kwargs)
         self.ops.append(OpRecord(name, self.phase, flops, moved, dtype, new_bytes, moves))
         self.op_positions.append(len(self.event_alloc))
         self.op_new_bytes.append(new_bytes)

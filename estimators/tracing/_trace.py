@@ -114,6 +114,7 @@ def trace_step(
     capability: tuple[int, int] | None = None,
     batch_offset: int = 0,
     options: StepOptions | None = None,
+    on_compute: Any = None,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -133,7 +134,8 @@ def trace_step(
 
     ``options`` are the step's parts besides forward, backward and the optimizer step
     (clipping, EMA, label smoothing: :class:`~estimators.runtime._options.StepOptions`);
-    ``task.step`` when None.
+    ``task.step`` when None. ``on_compute(index, func, args, kwargs)`` is shown each op
+    whose FLOPs torch counts (kernel workspaces replay them: ``memory._workspace``).
 
     ``target`` is the device type the estimate is for: on ``"cuda"`` the step runs CUDA's
     kernel semantics on CPU tensors (``_precision.trace_semantics``: CUDA's autocast policy,
@@ -156,13 +158,13 @@ def trace_step(
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
                            synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
                            cuda=target == "cuda", capability=capability, batch_offset=batch_offset,
-                           options=options)
+                           options=options, on_compute=on_compute)
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
                 synthesize: bool, foreach: bool, cuda: bool = False,
                 capability: tuple[int, int] | None = None, batch_offset: int = 0,
-                options: StepOptions | None = None) -> Trace:
+                options: StepOptions | None = None, on_compute: Any = None) -> Trace:
     # One device or FSDP2 on fake tensors: trace one step and derive the later ones (see _steady).
     derive = synthesize and config.strategy in ("single", "fsdp") and steps == 2
     traced_steps = 1 if derive else steps
@@ -175,6 +177,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     built: BuiltModel | None = None
     rec = Recorder()
     rec.label_ops = profile and real
+    rec.on_compute = on_compute
     phase_labels: list[str] = ["setup"]
     hooks = RecordingHooks(rec, phase_labels)
     prof = None
