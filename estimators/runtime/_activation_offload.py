@@ -40,12 +40,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
+
+from .._types import Batch
 
 __all__ = ["MIN_OFFLOAD_BYTES", "held_storages", "offloading", "simulated_transfers", "worth_offloading"]
 
@@ -66,7 +68,14 @@ def simulated_transfers() -> Iterator[None]:
         _SIMULATED.reset(token)
 
 
-def held_storages(model: nn.Module, batch: Any = None) -> set[int]:
+class TransferObserver(Protocol):
+    """What sees the simulated copies (the step's hooks: ``_step.StepHooks``)."""
+
+    def copying(self, on: bool) -> None: ...
+    def offloaded(self, tensor: torch.Tensor, where: str) -> None: ...
+
+
+def held_storages(model: nn.Module, batch: Batch = None) -> set[int]:
     """Ids of the storages that outlive a micro-batch's graph: the model's parameters and
     buffers, and the batch's tensors (the step holds the batch until its backward is done)."""
     tensors = [*model.parameters(), *model.buffers(), *(t for t in tree_flatten(batch)[0]
@@ -104,8 +113,8 @@ class _Packed:
         self.host, self.device = host, device
 
 
-def offloading(enabled: bool, device: torch.device, hooks: Any, model: nn.Module,
-               batch: Any = None) -> contextlib.AbstractContextManager[Any]:
+def offloading(enabled: bool, device: torch.device, hooks: TransferObserver, model: nn.Module,
+               batch: Batch = None) -> contextlib.AbstractContextManager[None]:
     """The context a micro-batch's forward runs in: offloading hooks when ``enabled`` and the
     device (or the simulated one) keeps its memory apart from the host's, else nothing.
     ``model`` and ``batch`` hold tensors that are never offloaded (:func:`held_storages`)."""
@@ -118,8 +127,8 @@ def offloading(enabled: bool, device: torch.device, hooks: Any, model: nn.Module
     return contextlib.nullcontext()  # CPU (or another device sharing host memory): nothing moves
 
 
-def _simulated_hooks(hooks: Any, held: set[int]) -> saved_tensors_hooks:
-    def pack(tensor: torch.Tensor) -> Any:
+def _simulated_hooks(hooks: TransferObserver, held: set[int]) -> saved_tensors_hooks:
+    def pack(tensor: torch.Tensor) -> torch.Tensor | _Packed:
         if not worth_offloading(tensor, held):
             return tensor
         hooks.copying(True)
@@ -132,7 +141,7 @@ def _simulated_hooks(hooks: Any, held: set[int]) -> saved_tensors_hooks:
         hooks.offloaded(host, "host")
         return _Packed(host, tensor.device)
 
-    def unpack(packed: Any) -> torch.Tensor:
+    def unpack(packed: torch.Tensor | _Packed) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
         hooks.copying(True)
@@ -147,10 +156,10 @@ def _simulated_hooks(hooks: Any, held: set[int]) -> saved_tensors_hooks:
     return saved_tensors_hooks(pack, unpack)
 
 
-_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> Any:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     stream = _STREAMS.get(device)
     if stream is None:
         stream = _STREAMS[device] = torch.cuda.Stream(device)
@@ -160,7 +169,7 @@ def _side_stream(device: torch.device) -> Any:
 def _cuda_hooks(device: torch.device, held: set[int]) -> saved_tensors_hooks:
     side = _side_stream(device)
 
-    def pack(tensor: torch.Tensor) -> Any:
+    def pack(tensor: torch.Tensor) -> torch.Tensor | _Packed:
         if tensor.device.type != "cuda" or not worth_offloading(tensor, held):
             return tensor
         compute = torch.cuda.current_stream(tensor.device)
@@ -171,7 +180,7 @@ def _cuda_hooks(device: torch.device, held: set[int]) -> saved_tensors_hooks:
         tensor.record_stream(side)  # not reused by the allocator before the copy has read it
         return _Packed(host, tensor.device)
 
-    def unpack(packed: Any) -> torch.Tensor:
+    def unpack(packed: torch.Tensor | _Packed) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
         compute = torch.cuda.current_stream(packed.device)

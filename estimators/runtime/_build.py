@@ -5,13 +5,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from .._config import TrainConfig
 from . import _checkpoint, _parallel, _precision
+
+if TYPE_CHECKING:
+    from .._task import Task
 
 __all__ = ["BuiltModel", "build_for_training", "checkpoint_more"]
 
@@ -27,7 +30,7 @@ class BuiltModel:
     compiled: bool = False
 
 
-def build_for_training(task: Any, config: TrainConfig, device: torch.device | str, *,
+def build_for_training(task: Task, config: TrainConfig, device: torch.device | str, *,
                        model: nn.Module | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None,
                        compile: bool = False, device_ids: list[int] | None = None) -> BuiltModel:
     """The task's model on ``device``, in train mode, checkpointed and wrapped as ``config`` says.
@@ -55,11 +58,13 @@ def build_for_training(task: Any, config: TrainConfig, device: torch.device | st
     else:
         wrapped = _parallel.parallelize(model, config, finder=task.checkpoint_blocks, device_ids=device_ids,
                                         device=device)
+    # torch.compile of a module returns an OptimizedModule (an nn.Module); its stubs say only
+    # that it returns a callable of the module's call signature.
     forward: nn.Module = torch.compile(wrapped) if compile else wrapped  # type: ignore[assignment]
     return BuiltModel(_parallel.unwrap(wrapped), wrapped, forward, compiled=compile)
 
 
-def checkpoint_more(built: BuiltModel, task: Any, segments: int, policy: str = "full") -> BuiltModel:
+def checkpoint_more(built: BuiltModel, task: Task, segments: int, policy: str = "full") -> BuiltModel:
     """Checkpoint ``segments`` blocks of a running model (an OOM ladder's rung needs more).
 
     Idempotent per block: blocks checkpointed already stay so, and selective ones become full
@@ -68,5 +73,5 @@ def checkpoint_more(built: BuiltModel, task: Any, segments: int, policy: str = "
     """
     _checkpoint.apply_checkpointing(built.model, segments, task.checkpoint_blocks, policy=policy)
     if built.compiled:
-        built.forward_model = torch.compile(built.wrapped)  # type: ignore[assignment]
+        built.forward_model = torch.compile(built.wrapped)  # type: ignore[assignment]  # an nn.Module, as above
     return built

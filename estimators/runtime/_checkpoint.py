@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch._ops import OpOverload
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .._errors import ConfigError
 
@@ -83,9 +88,9 @@ def select_blocks(n_blocks: int, segments: int) -> list[int]:
     return sorted({(i * n_blocks) // segments for i in range(segments)})
 
 
-def _ops(*names: str) -> frozenset[Any]:
+def _ops(*names: str) -> frozenset[OpOverload]:
     # Overloads this torch build lacks (a CPU build has every one today) are left out.
-    found = []
+    found: list[OpOverload] = []
     for name in names:
         packet = getattr(torch.ops.aten, name, None)
         for overload in ("default", "Tensor"):
@@ -94,7 +99,7 @@ def _ops(*names: str) -> frozenset[Any]:
     return frozenset(found)
 
 
-SAVED_OPS: frozenset[Any] = _ops(
+SAVED_OPS: frozenset[OpOverload] = _ops(
     "mm", "addmm", "bmm", "baddbmm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -102,7 +107,8 @@ SAVED_OPS: frozenset[Any] = _ops(
 """The ops whose outputs a selectively checkpointed block keeps: the expensive ones."""
 
 
-def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def selective_policy(ctx: SelectiveCheckpointContext, func: OpOverload, *args: object,
+                     **kwargs: object) -> CheckpointPolicy:
     """The "op" policy: keep the outputs of :data:`SAVED_OPS`, recompute everything else."""
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -113,17 +119,21 @@ _POLICIES: dict[str, Callable[..., CheckpointPolicy] | None] = {"full": None, "s
 class _Checkpointed:
     """A block's checkpointed ``forward``: the original bound method, run under ``checkpoint``."""
 
-    def __init__(self, original: Callable, policy: str) -> None:
+    def __init__(self, original: Callable[..., object], policy: str) -> None:
         self.original = original
         self.policy = policy
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         policy_fn = _POLICIES[self.policy]
+        # The block's keyword arguments bound here, not passed through checkpoint's own
+        # ``**kwargs``, where one named like its options (``debug``) would be taken for it;
+        # the non-reentrant checkpoint calls (and recomputes) the function with them as is.
+        forward = functools.partial(self.original, **kwargs) if kwargs else self.original
         if policy_fn is None:
-            return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
+            return checkpoint(forward, *args, use_reentrant=False)
         # A fresh pair of contexts per call: each holds the kept outputs of one forward.
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
-        return checkpoint(self.original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
 
 
 def block_policy(block: nn.Module) -> str | None:
@@ -160,5 +170,5 @@ def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | N
             if current.policy == "selective" and policy == "full":
                 current.policy = "full"
             continue
-        block.forward = _Checkpointed(block.forward, policy)  # type: ignore[method-assign]
+        block.forward = _Checkpointed(block.forward, policy)
     return len(chosen)

@@ -23,7 +23,7 @@ def clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: 
     foreach = True if params and params[0].device.type in _FOREACH_DEVICES else None
     if mode == "norm":
         return torch.nn.utils.clip_grad_norm_(params, threshold, foreach=foreach)
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if p.grad is not None]  # every one (``params`` has gradients)
     norm = torch.nn.utils.get_total_norm(grads, foreach=foreach) if grads else torch.zeros(())
     torch.nn.utils.clip_grad_value_(params, threshold, foreach=foreach)
     return norm

@@ -52,11 +52,12 @@ Example:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal, TypeAlias
 
 import torch
 import torch.nn as nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -68,8 +69,11 @@ __all__ = ["MemoryGuard"]
 
 GuardDevice = Literal["cpu", "cuda"]
 
+Trackable: TypeAlias = "torch.Tensor | nn.Module | torch.optim.Optimizer | Iterable[Trackable]"
+"""What :meth:`MemoryGuard.track` counts: tensors, modules, optimizers, or iterables of them."""
 
-def _out_tensors(out: Any) -> list[torch.Tensor]:
+
+def _out_tensors(out: object) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (tuple, list)):
@@ -79,10 +83,10 @@ def _out_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-_ALIASED: dict[Any, bool | tuple[bool, ...]] = {}
+_ALIASED: dict[OpOverload, bool | tuple[bool, ...]] = {}
 
 
-def _aliased_returns(func: Any) -> bool | tuple[bool, ...]:
+def _aliased_returns(func: OpOverload) -> bool | tuple[bool, ...]:
     """Whether an op's returns alias its inputs (views ``Tensor(a)``, in-place ``Tensor(a!)``):
     True/False for all of them, else one flag per return."""
     try:
@@ -101,8 +105,11 @@ class _GuardMode(_EagerMode):
         super().__init__()
         self.guard = guard
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         g = self.guard
+        t: torch.Tensor | None = None  # the last output counted (dropped before an OOM is raised)
+        ret: object = None
         if g._injection is not None:
             g._injection.check(func)
         before = g._live
@@ -170,7 +177,7 @@ class MemoryGuard:
         self._budget = self._check_budget(budget_bytes)
         self._live = 0
         self._peak = 0
-        self._entries: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
         self._injection: _Injection | None = None
         self._phase_label = "forward"
         self._mode: TorchDispatchMode | None = None
@@ -213,8 +220,7 @@ class MemoryGuard:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = self._live
 
-    def track(self, tensors: torch.Tensor | nn.Module | torch.optim.Optimizer
-              | Iterable[torch.Tensor | nn.Module | torch.optim.Optimizer]) -> int:
+    def track(self, tensors: Trackable) -> int:
         """Count tensors that exist already; returns the bytes newly counted.
 
         Accepts tensors, a module (its parameters, buffers and existing gradients) or an
@@ -232,7 +238,7 @@ class MemoryGuard:
         return added
 
     @classmethod
-    def _tensors_of(cls, obj: Any) -> Iterable[torch.Tensor]:
+    def _tensors_of(cls, obj: Trackable) -> Iterable[torch.Tensor]:
         if isinstance(obj, torch.Tensor):
             yield obj
             if obj.is_leaf and obj.requires_grad and obj.grad is not None:
@@ -288,15 +294,15 @@ class MemoryGuard:
                 self._live += nbytes - entry[1]
                 self._entries[id(storage)] = (entry[0], nbytes)
 
-    def _on_release(self, key: int) -> Callable[[Any], None]:
+    def _on_release(self, key: int) -> Callable[[weakref.ref[torch.UntypedStorage]], None]:
         # A closure per storage; it must not reference the storage itself.
-        def released(_ref: Any) -> None:
+        def released(_ref: weakref.ref[torch.UntypedStorage]) -> None:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 self._live -= entry[1]
         return released
 
-    def _message(self, wanted: int, in_use: int, func: Any) -> str:
+    def _message(self, wanted: int, in_use: int, func: OpOverload) -> str:
         return (
             f"memplan memory guard: out of memory. Tried to allocate {format_size(wanted)} "
             f"({_op_name(func)}); {format_size(in_use)} of the {format_size(self._budget)} "
@@ -313,13 +319,13 @@ class MemoryGuard:
         draws the op from ``1..max_ops`` reproducibly. ``after_ops=None`` without a seed
         disarms. On cuda, arm it before entering the guard.
         """
-        if after_ops is None and seed is None:
-            self._injection = None
-            return
+        if after_ops is None:
+            if seed is None:
+                self._injection = None
+                return
+            after_ops = pick_op(seed, max_ops)
         if self.device.type == "cuda" and self._active and self._mode is None:
             raise ConfigError("on cuda, call guard.inject() before entering the guard")
-        if after_ops is None:
-            after_ops = pick_op(seed, max_ops)  # type: ignore[arg-type]
         self._injection = _Injection(after_ops, phase, times)
         self._injection.label = self._phase_label
         if isinstance(self._mode, _InjectionMode):
@@ -356,7 +362,7 @@ class MemoryGuard:
         self._active = True
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._active = False
         try:
             if self._mode is not None:

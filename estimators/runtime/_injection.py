@@ -8,9 +8,10 @@ its own. Also the dispatch-mode base both the guard and the injector run under.
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._errors import ConfigError
@@ -23,7 +24,7 @@ def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def _op_name(func: Any) -> str:
+def _op_name(func: OpOverload) -> str:
     try:
         return str(func._overloadpacket)
     except AttributeError:  # pragma: no cover - every aten op has one
@@ -48,7 +49,7 @@ class _Injection:
     def current_phase(self) -> str:
         return "backward" if _in_backward() else self.label
 
-    def check(self, func: Any) -> None:
+    def check(self, func: OpOverload) -> None:
         if self.fired >= self.times:
             return
         if self.phase is not None and self.phase not in self.current_phase():
@@ -88,6 +89,7 @@ class _InjectionMode(_EagerMode):
         super().__init__()
         self._inj = injection
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         self._inj.check(func)
         return func(*args, **(kwargs or {}))

@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import StateDict
 
 from .._config import TrainConfig
 from .._errors import ConfigError
@@ -121,24 +122,27 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._handles = []
 
     # one optimizer, to the trainer -----------------------------------------------------
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     @param_groups.setter
-    def param_groups(self, value: Any) -> None:
+    def param_groups(self, value: object) -> None:
         raise AttributeError("OptimizerInBackward's param_groups are its per-parameter optimizers'; "
                              "set values inside the groups instead")
 
+    # A view of the per-parameter optimizers' states, rebuilt on each read: a plain dict, where
+    # torch declares the defaultdict an optimizer's own state is.
     @property  # type: ignore[override]
     def state(self) -> dict[torch.Tensor, Any]:
         return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
 
     @state.setter
-    def state(self, value: Any) -> None:
+    def state(self, value: object) -> None:
         raise AttributeError("OptimizerInBackward's state is its per-parameter optimizers'")
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    # Never calls a closure, so never returns its loss (torch's overload for one returns a float).
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         """Nothing to do: every parameter was stepped in backward. Kept so that a schedule's
         check that the optimizer stepped before it holds."""
         return None
@@ -147,10 +151,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> StateDict:
         return {"optimizer_in_backward": {self.names[p]: opt.state_dict() for p, opt in self.optimizers.items()}}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: StateDict) -> None:
         per_param = state_dict.get("optimizer_in_backward") if isinstance(state_dict, dict) else None
         if per_param is None:
             raise ConfigError("this optimizer state is not optimizer_in_backward's (per-parameter states); "
@@ -167,10 +171,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return f"OptimizerInBackward({type(first).__name__} x{len(self.optimizers)})"
 
 
-def _one_parameter_optimizer(cls: type, param: torch.Tensor, settings: dict[str, Any],
+def _one_parameter_optimizer(cls: type[torch.optim.Optimizer], param: torch.Tensor, settings: dict[str, Any],
                              defaults: dict[str, Any]) -> torch.optim.Optimizer:
     # The group carries every setting; the constructor gets the defaults it accepts by name
     # (AdamW's defaults hold decoupled_weight_decay, which its constructor does not take).
+    accepted: Mapping[str, inspect.Parameter]
     try:
         accepted = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):

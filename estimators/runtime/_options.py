@@ -8,7 +8,7 @@ the trainer run the same step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from .._errors import ConfigError
 
@@ -43,7 +43,7 @@ class StepOptions:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"StepOptions.label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
 
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> tuple[ClipMode, bool, bool, bool]:
         """What distinguishes two steps' memory (for caches): the threshold's value does not."""
         return (self.clip, self.ema_decay is not None, bool(self.label_smoothing), self.compile)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn as nn
@@ -39,6 +39,10 @@ from .._config import Precision, TrainConfig
 from ._checkpoint import BlockFinder, find_block_stack
 from ._precision import autocast_dtype, keeps_fp32, weight_dtype
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
 __all__ = ["DDP_BUCKET_CAP_MB", "fsdp_mp_policy", "apply_fsdp", "apply_ddp", "parallelize", "gradient_sync",
            "unwrap"]
 
@@ -46,7 +50,16 @@ DDP_BUCKET_CAP_MB = 25
 """DDP's default bucket size; the first bucket is capped at 1 MB by DDP itself."""
 
 
-def fsdp_mp_policy(precision: Precision | str) -> Any:
+class _ShardOptions(TypedDict, total=False):
+    """The ``fully_shard`` options every unit of a model shares (torch's default where left out)."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    offload_policy: OffloadPolicy
+    mp_policy: MixedPrecisionPolicy
+
+
+def fsdp_mp_policy(precision: Precision | str) -> MixedPrecisionPolicy | None:
     """The FSDP2 mixed-precision policy of a precision (``None`` for fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -60,7 +73,7 @@ def apply_fsdp(
     model: nn.Module,
     *,
     precision: Precision | str = "fp32",
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     finder: BlockFinder | None = None,
     reshard_after_forward: bool = True,
     offload: bool = False,
@@ -86,7 +99,7 @@ def apply_fsdp(
             else next((p.device.type for p in model.parameters()), "cpu")
         )
         mesh = init_device_mesh(kind, (dist.get_world_size(),))
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs: _ShardOptions = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -107,22 +120,24 @@ def apply_fsdp(
                 and id(module) not in block_ids
                 and any(True for _ in module.parameters(recurse=False))
             ):
-                fully_shard(module, **{**kwargs, "mp_policy": full})
+                fp32_unit: _ShardOptions = {**kwargs, "mp_policy": full}
+                fully_shard(module, **fp32_unit)
     for block in blocks:
         fully_shard(block, **kwargs)
     # The root keeps what the blocks do not hold (embeddings, heads, norms); it is not
     # resharded after forward because backward needs it first (torchtitan does the same).
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    root: _ShardOptions = {**kwargs, "reshard_after_forward": False}
+    fully_shard(model, **root)
     return model
 
 
-def apply_ddp(model: nn.Module, *, device_ids: list[int] | None = None, **kwargs: Any) -> nn.Module:
+def apply_ddp(model: nn.Module, *, device_ids: list[int] | None = None, gradient_as_bucket_view: bool = True,
+              bucket_cap_mb: float = DDP_BUCKET_CAP_MB) -> nn.Module:
     """``DistributedDataParallel`` with gradients as bucket views and default buckets."""
     from torch.nn.parallel import DistributedDataParallel
 
-    options: dict[str, Any] = {"gradient_as_bucket_view": True, "bucket_cap_mb": DDP_BUCKET_CAP_MB}
-    options.update(kwargs)
-    return DistributedDataParallel(model, device_ids=device_ids, **options)
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view,
+                                   bucket_cap_mb=bucket_cap_mb)
 
 
 def parallelize(
@@ -131,7 +146,7 @@ def parallelize(
     *,
     finder: BlockFinder | None = None,
     device_ids: list[int] | None = None,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for ``config.strategy`` (a no-op for ``single``); needs an initialised

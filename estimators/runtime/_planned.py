@@ -4,14 +4,18 @@ the probe and the race time them, the CPU measurement profiles them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._config import TrainConfig
+from .._types import Batch
 from ._build import BuiltModel
 from ._options import StepOptions
 from ._step import StepHooks, StepParts, StepResult, make_step_parts, train_step
+
+if TYPE_CHECKING:
+    from .._task import Task
 
 __all__ = ["PlannedSteps"]
 
@@ -30,7 +34,7 @@ class PlannedSteps:
     ``(False)``: setup, not the step's ops; the EMA's copy is reported with ``hooks.held``.
     """
 
-    def __init__(self, task: Any, config: TrainConfig, built: BuiltModel, *, device: torch.device | str = "cpu",
+    def __init__(self, task: Task, config: TrainConfig, built: BuiltModel, *, device: torch.device | str = "cpu",
                  options: StepOptions | None = None, real: bool = True, batch_size: int | None = None,
                  micro_steps: int | None = None, batch_offset: int = 0, foreach: bool = False,
                  hooks: StepHooks | None = None) -> None:
@@ -49,7 +53,7 @@ class PlannedSteps:
         if self.parts.ema is not None:
             setup.held(self.parts.ema.tensors(), "ema")
 
-    def batches(self, step: int) -> Iterator[Any]:
+    def batches(self, step: int) -> Iterator[Batch]:
         b, n, cfg = self.batch_size, self.micro_steps, self.config
         for micro in range(1, n + 1):
             if self.real:

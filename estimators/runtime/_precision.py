@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .._config import Precision, normalize_precision
+from .._types import Batch
+
+if TYPE_CHECKING:
+    from ..tracing._cuda_semantics import CudaRun
 
 __all__ = [
     "autocast_dtype",
@@ -42,6 +46,7 @@ __all__ = [
     "convert_input",
     "forward_context",
     "make_grad_scaler",
+    "ScalerSettings",
     "backward",
     "optimizer_step",
     "trace_semantics",
@@ -100,7 +105,7 @@ def cast_model(model: nn.Module, precision: Precision | str) -> nn.Module:
     return model
 
 
-def convert_input(batch: Any, precision: Precision | str) -> Any:
+def convert_input(batch: Batch, precision: Precision | str) -> Batch:
     """The batch with its floating-point tensors in the weight dtype under a true low
     precision (integer tensors, token ids and labels, are left alone); else ``batch`` itself."""
     dtype = weight_dtype(precision)
@@ -133,7 +138,7 @@ def forward_context(precision: Precision | str, device_type: str) -> Iterator[No
 @contextlib.contextmanager
 def trace_semantics(
     precision: Precision | str, *, cuda: bool, capability: tuple[int, int] | None = None, fake: bool = True
-) -> Iterator[Any]:
+) -> Iterator[CudaRun | None]:
     """Around a whole traced step (forward, backward, optimizer) for a CUDA target: the trace's
     CPU tensors take CUDA's kernel semantics, so that :func:`forward_context`'s CPU autocast
     casts as ``torch.autocast("cuda", dtype)`` does (see ``estimators.tracing._cuda_semantics``). The
@@ -149,7 +154,7 @@ def trace_semantics(
         yield run
 
 
-def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
+def semantics_notes(run: CudaRun | None, op_names: set[str] | None = None) -> list[str]:
     """The assumptions a :func:`trace_semantics` trace made (``op_names``: the aten ops it ran),
     for the estimate's notes."""
     if run is None:
@@ -157,6 +162,15 @@ def semantics_notes(run: Any, op_names: set[str] | None = None) -> list[str]:
     from ..tracing._cuda_semantics import cuda_notes
 
     return cuda_notes(run, op_names or set())
+
+
+class ScalerSettings(TypedDict, total=False):
+    """``torch.amp.GradScaler``'s settings, each left out for torch's default."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
 
 
 def make_grad_scaler(
@@ -185,13 +199,15 @@ def make_grad_scaler(
     """
     if normalize_precision(precision) != "fp16-mixed":
         return None
-    given = {
-        "init_scale": init_scale,
-        "growth_factor": growth_factor,
-        "backoff_factor": backoff_factor,
-        "growth_interval": growth_interval,
-    }
-    kwargs = {k: v for k, v in given.items() if v is not None}
+    kwargs: ScalerSettings = {}
+    if init_scale is not None:
+        kwargs["init_scale"] = init_scale
+    if growth_factor is not None:
+        kwargs["growth_factor"] = growth_factor
+    if backoff_factor is not None:
+        kwargs["backoff_factor"] = backoff_factor
+    if growth_interval is not None:
+        kwargs["growth_interval"] = growth_interval
     if sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -240,6 +256,8 @@ def _update_scaler_for_trace(scaler: torch.amp.GradScaler, optimizer: torch.opti
     found_inf = found[0]
     for extra in found[1:]:
         found_inf = found_inf + extra
+    # Set by the scaler's first scale(), which every traced backward ran.
+    assert scaler._scale is not None and scaler._growth_tracker is not None
     torch._amp_update_scale_(
         scaler._scale,
         scaler._growth_tracker,

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .._config import TrainConfig
-from .._task import default_logits_and_targets
+from .._task import Task, default_logits_and_targets
+from .._types import Batch
 from . import _activation_offload, _parallel, _precision
 from ._clip import clip_gradients
 from ._ema import EMA
 from ._optim_bwd import OptimizerInBackward, check_compatible
 from ._options import StepOptions
+from ._precision import ScalerSettings
 
 __all__ = [
     "make_optimizer",
@@ -43,7 +44,6 @@ __all__ = [
     "to_device",
 ]
 
-Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 
@@ -69,7 +69,7 @@ class StepHooks:
         """Gradients are final (clipped, when clipping is on); False skips the optimizer step."""
         return True
 
-    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None: ...
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None: ...
 
     def gradient_ready(self, param: torch.Tensor) -> None:
         """With the optimizer step in backward: ``param.grad`` is final and about to be stepped
@@ -98,7 +98,8 @@ class StepParts:
     wrapped: nn.Module
     """The strategy's wrapper (DDP) or the sharded module (FSDP2): gradient sync goes through it."""
     optimizer: torch.optim.Optimizer
-    scaler: Any
+    scaler: torch.amp.GradScaler | None
+    """fp16-mixed's loss scaler (FSDP2's sharded one under ``fsdp``); None otherwise."""
     ema: EMA | None
     loss_fn: LossFn
     precision: str
@@ -120,7 +121,7 @@ class StepResult:
 
 
 def make_step_parts(
-    task: Any,
+    task: Task,
     config: TrainConfig,
     model: nn.Module,
     wrapped: nn.Module,
@@ -128,7 +129,7 @@ def make_step_parts(
     device: torch.device,
     options: StepOptions,
     forward_model: nn.Module | None = None,
-    scaler_kwargs: dict[str, Any] | None = None,
+    scaler_kwargs: ScalerSettings | None = None,
     foreach: bool = False,
 ) -> StepParts:
     """The optimizer, scaler, EMA and loss a step of ``config`` runs with, for a built model.
@@ -159,7 +160,7 @@ def make_step_parts(
 
 
 def make_optimizer(
-    task: Any, config: TrainConfig, model: nn.Module, options: StepOptions, *, foreach: bool = False
+    task: Task, config: TrainConfig, model: nn.Module, options: StepOptions, *, foreach: bool = False
 ) -> torch.optim.Optimizer:
     """The task's optimizer for ``model``; stepped in backward, one parameter at a time, when
     ``config.optimizer_in_backward`` (its wrapper stands for it as one optimizer)."""
@@ -174,7 +175,7 @@ def make_optimizer(
     return optimizer
 
 
-def training_loss(task: Any, label_smoothing: float) -> LossFn:
+def training_loss(task: Task, label_smoothing: float) -> LossFn:
     """The task's loss, or the default cross entropy with label smoothing."""
     if not label_smoothing:
         return task.compute_loss
@@ -219,7 +220,8 @@ def train_step(
         return _stepped_in_backward(parts, hooks, step, loss_sum)
     loss_sum = _forward_backward(parts, batches, weights, step, hooks)
     hooks.phase(f"step {step} optimizer", "optimizer")
-    if not hooks.losses_done(loss_sum):
+    # No loss without a micro-batch (no weights): nothing for the hook to judge, as below.
+    if loss_sum is not None and not hooks.losses_done(loss_sum):
         return _skipped(parts, hooks, step, loss_sum, None)
     grad_norm = None
     if parts.options.clip != "off":
