@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch
 import torch.nn as nn
@@ -29,10 +29,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from estimators import ConfigError, TrainConfig, TrainingError, is_oom_error
 
-__all__ = ["keep_global_batch", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
+__all__ = ["keep_global_batch", "GlobalBatchStep", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
            "DistributedOOM", "ladder_configs", "ladder_peaks", "pick_rung"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def next_micro_batch(global_batch: int, micro_batch_size: int) -> int | None:
@@ -259,7 +260,8 @@ def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, scaler
 
 def keep_global_batch(global_batch: int, starting_micro_batch: int | None = None, *,
                       before_retry: Callable[[int, int], None] | None = None,
-                      device: str | torch.device | None = None) -> Callable[[F], F]:
+                      device: str | torch.device | None = None,
+                      ) -> Callable[[Callable[Concatenate[int, int, P], R]], GlobalBatchStep[P, R]]:
     """Retry a step with a smaller micro-batch and more accumulation after an OOM.
 
     The decorated function is called as ``fn(micro_batch_size, grad_accum_steps, *args,
@@ -290,46 +292,57 @@ def keep_global_batch(global_batch: int, starting_micro_batch: int | None = None
     if not isinstance(start, int) or start < 1 or global_batch % start:
         raise ConfigError(f"starting_micro_batch {start!r} must divide the global batch {global_batch}")
 
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            while True:
-                micro = wrapper.micro_batch_size  # type: ignore[attr-defined]
-                accum = global_batch // micro
-                wrapper.history.append((micro, accum))  # type: ignore[attr-defined]
-                message = None
-                try:
-                    return fn(micro, accum, *args, **kwargs)
-                except Exception as exc:
-                    if not is_oom_error(exc):
-                        raise
-                    message = f"{type(exc).__name__}: {exc}"
-                # Outside the except block: the traceback (and the step's tensors) are gone.
-                _halve_micro_batch(wrapper, fn.__name__, global_batch, message, before_retry, device)
-
-        wrapper.micro_batch_size = start  # type: ignore[attr-defined]
-        wrapper.grad_accum_steps = global_batch // start  # type: ignore[attr-defined]
-        wrapper.history = []  # type: ignore[attr-defined]
-        wrapper.recovery_seconds = []  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+    def decorate(fn: Callable[Concatenate[int, int, P], R]) -> GlobalBatchStep[P, R]:
+        return GlobalBatchStep(fn, global_batch, start, before_retry=before_retry, device=device)
     return decorate
 
 
-def _halve_micro_batch(wrapper: Any, name: str, global_batch: int, message: str | None,
-                       before_retry: Callable[[int, int], None] | None, device: str | torch.device | None) -> None:
-    """:func:`keep_global_batch` after an OOM: free memory and halve ``wrapper``'s micro-batch
-    (to the next divisor of the global batch), or stop when micro-batch 1 failed."""
-    t0 = time.perf_counter()
-    free_memory(device)
-    smaller = next_micro_batch(global_batch, wrapper.micro_batch_size)
-    if smaller is None:
-        raise TrainingError(
-            f"{name} ran out of memory with micro-batch 1 x {global_batch} accumulation "
-            f"steps (tried {wrapper.history}); nothing smaller keeps the global batch "
-            f"of {global_batch} -- free memory or reduce the model ({message})"
-        )
-    wrapper.micro_batch_size = smaller
-    wrapper.grad_accum_steps = global_batch // smaller
-    if before_retry is not None:
-        before_retry(smaller, global_batch // smaller)
-    wrapper.recovery_seconds.append(time.perf_counter() - t0)
+class GlobalBatchStep(Generic[P, R]):
+    """A step decorated by :func:`keep_global_batch`: called without the micro-batch and the
+    accumulation, which it holds (``micro_batch_size``, ``grad_accum_steps``) and lowers after
+    an out-of-memory error; ``history`` lists every pair tried, ``recovery_seconds`` the time
+    each recovery took."""
+
+    def __init__(self, fn: Callable[Concatenate[int, int, P], R], global_batch: int, micro_batch_size: int, *,
+                 before_retry: Callable[[int, int], None] | None, device: str | torch.device | None) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self.global_batch = global_batch
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = global_batch // micro_batch_size
+        self.history: list[tuple[int, int]] = []
+        self.recovery_seconds: list[float] = []
+        self._before_retry = before_retry
+        self._device = device
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        while True:
+            micro = self.micro_batch_size
+            self.history.append((micro, self.global_batch // micro))
+            message = None
+            try:
+                return self._fn(micro, self.global_batch // micro, *args, **kwargs)
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                message = f"{type(exc).__name__}: {exc}"
+            # Outside the except block: the traceback (and the step's tensors) are gone.
+            self._halve_micro_batch(message)
+
+    def _halve_micro_batch(self, message: str | None) -> None:
+        """After an OOM: free memory and halve the micro-batch (to the next divisor of the
+        global batch), or stop when micro-batch 1 failed."""
+        t0 = time.perf_counter()
+        free_memory(self._device)
+        smaller = next_micro_batch(self.global_batch, self.micro_batch_size)
+        if smaller is None:
+            raise TrainingError(
+                f"{getattr(self._fn, '__name__', 'the step')} ran out of memory with micro-batch 1 x "
+                f"{self.global_batch} accumulation steps (tried {self.history}); nothing smaller keeps the "
+                f"global batch of {self.global_batch} -- free memory or reduce the model ({message})"
+            )
+        self.micro_batch_size = smaller
+        self.grad_accum_steps = self.global_batch // smaller
+        if self._before_retry is not None:
+            self._before_retry(smaller, self.global_batch // smaller)
+        self.recovery_seconds.append(time.perf_counter() - t0)
