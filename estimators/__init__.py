@@ -21,7 +21,7 @@ from ._errors import (
     TrainingError,
     UnknownGPUError,
 )
-from ._estimate import Estimate, Estimator, estimate, resolve_target
+from ._estimate import BatchShapes, Estimate, Estimator, ShapePeak, estimate, resolve_target
 from ._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
 from ._shapes import grouped_order
 from ._task import Task, default_logits_and_targets, default_loss, load_task
@@ -56,7 +56,7 @@ __all__ = [
     "Task", "load_task", "default_logits_and_targets", "default_loss", "grouped_order",
     "format_size", "parse_count", "parse_size",
     # the estimate, the target, probes and races
-    "Estimate", "Estimator", "estimate", "resolve_target",
+    "Estimate", "Estimator", "estimate", "resolve_target", "BatchShapes", "ShapePeak",
     "GPUSpec", "detect_local_gpu", "get_gpu", "gpu_names",
     "prestart", "probe", "race",
     "write_snapshot", "Timeline", "predicted_timeline", "Category",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -42,9 +42,44 @@ from .timing._cpu_rates import cpu_rates
 from .timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
 from .timing._timing import DeviceRates, gpu_rates
 
-__all__ = ["Estimate", "Estimator", "estimate", "resolve_target"]
+__all__ = ["BatchShapes", "Estimate", "Estimator", "ShapePeak", "estimate", "resolve_target"]
 
 Device = Literal["cpu", "cuda"]
+
+
+class ShapePeak(TypedDict):
+    """The predicted peak at one batch of varying-shape data (``median``, ``p99``, ``max``)."""
+
+    padded: list[int]
+    items: list[int]
+    peak_bytes: int
+
+
+class BatchShapes(TypedDict, total=False):
+    """``Estimate.batch_shapes``: what the estimate says of the batches it was made for."""
+
+    # Items of varying shape: the planned batch and where its sizes came from.
+    policy: str
+    items: list[int]
+    padded: list[int]
+    dims: list[int]
+    item_max: list[int]
+    source: str
+    coverage: str
+    per_item: int
+    collate: str
+    padding_factor: float
+    order: str
+    # Asked with Estimator.shape_distribution: the peak at other batches.
+    median: ShapePeak
+    p99: ShapePeak
+    max: ShapePeak
+    # Data-dependent shapes: the real batches the worst was taken over.
+    draws: int
+    batch_offset: int
+    bound: str
+    capacity: float
+    fullest_batch_peak_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +113,7 @@ class Estimate:
     """Over an epoch: for items of varying shape, at the epoch's mean padded batch
     (``batch_shapes["padding_factor"]`` of the planned one; less with ``length_grouped``)."""
     notes: tuple[str, ...] = ()
-    batch_shapes: Mapping[str, Any] | None = None
+    batch_shapes: BatchShapes | None = None
     """For items of varying shape: the batch planned for (``policy``, ``padded`` sizes, the
     ``items`` that set them), where the sizes came from (``source``, ``coverage``), and, when
     asked (``Estimator.shape_distribution``), the predicted peak at the ``median``, ``p99``
@@ -101,7 +136,7 @@ class Estimate:
         context excluded, as ``set_per_process_memory_fraction`` counts), allocated on cpu."""
         return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_allocated_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["config"] = self.config.to_dict()
         d["breakdown"] = dict(self.breakdown)
@@ -110,6 +145,7 @@ class Estimate:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Estimate:
+        """The estimate ``to_dict`` wrote, as read back from JSON."""
         d = dict(data)
         d["config"] = TrainConfig.from_dict(d["config"])
         d["notes"] = tuple(d.get("notes", ()))
@@ -128,10 +164,10 @@ def resolve_target(device: str | None, gpu: str | None) -> tuple[Device, GPUSpec
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"unknown device {device!r}; use cpu or cuda")
     if device == "cuda":
-        spec = detect_local_gpu()
-        if spec is None:
+        local = detect_local_gpu()
+        if local is None:
             raise ConfigError("--device cuda but no GPU is visible here; name the card with --gpu NAME (e.g. --gpu A100-80GB)")
-        return "cuda", spec
+        return "cuda", local
     return "cpu", None
 
 
@@ -295,39 +331,39 @@ class Estimator:
             host_bytes=memory.host,
         )
 
-    def _batch_shapes(self, config: TrainConfig, p: Prepared) -> dict[str, Any] | None:
+    def _batch_shapes(self, config: TrainConfig, p: Prepared) -> BatchShapes | None:
         """What ``Estimate.batch_shapes`` says of the batch this estimate was made for."""
         planned = self.task.planned(config.micro_batch_size)
-        out: dict[str, Any] = {}
+        out: BatchShapes = {}
         if planned is not None:
             profile = self.task.shapes()
             dims = profile.varying_dims
             per_item = profile.sizes.shape[1]
-            out.update(
-                policy=self.task.shape_policy,
-                items=list(planned.items),
-                padded=[planned.padded[i] for i in dims],
-                dims=[int(i) for i in dims],
-                item_max=[int(profile.sizes[:, i].max()) for i in dims],
-                source=profile.source,
-                coverage=profile.coverage,
-                per_item=per_item,
-            )
+            out.update({
+                "policy": self.task.shape_policy,
+                "items": list(planned.items),
+                "padded": [planned.padded[i] for i in dims],
+                "dims": [int(i) for i in dims],
+                "item_max": [int(profile.sizes[:, i].max()) for i in dims],
+                "source": profile.source,
+                "coverage": profile.coverage,
+                "per_item": per_item,
+            })
             if not profile.collate_pads:
                 out["collate"] = "does not pad to the longest item; planned from collating the planned items"
             else:
-                out.update(
-                    padding_factor=self._padding_factor(config),
-                    order="length-grouped" if config.length_grouped else "random",
-                )
+                out.update({
+                    "padding_factor": self._padding_factor(config),
+                    "order": "length-grouped" if config.length_grouped else "random",
+                })
         if p.draws is not None:
-            out.update(draws=p.draws[0], batch_offset=p.draws[1])
+            out.update({"draws": p.draws[0], "batch_offset": p.draws[1]})
             if p.draws[2] is not None:
-                out.update(
-                    bound=f"allocations that vary between the draws at {DATA_DEPENDENT_CAPACITY}x their largest",
-                    capacity=DATA_DEPENDENT_CAPACITY,
-                    fullest_batch_peak_bytes=p.draws[2],
-                )
+                out.update({
+                    "bound": f"allocations that vary between the draws at {DATA_DEPENDENT_CAPACITY}x their largest",
+                    "capacity": DATA_DEPENDENT_CAPACITY,
+                    "fullest_batch_peak_bytes": p.draws[2],
+                })
         return out or None
 
     def _padding_factor(self, config: TrainConfig) -> float:
@@ -346,7 +382,7 @@ class Estimator:
         est = self.estimate(config, exact=exact)
         if est.batch_shapes is None or "policy" not in est.batch_shapes:
             return est
-        shapes = dict(est.batch_shapes)
+        shapes = est.batch_shapes.copy()
         for label in ("median", "p99", "max"):
             if label == self.task.shape_policy:
                 other = est
@@ -382,7 +418,7 @@ class Estimator:
         return self._facts
 
 
-def _throughput(config: TrainConfig, seconds: float, shapes: Mapping[str, Any] | None) -> float | None:
+def _throughput(config: TrainConfig, seconds: float, shapes: BatchShapes | None) -> float | None:
     """Samples per second over an epoch: ``seconds`` is the planned batch's step, and with
     items of varying shape an average step pads to ``padding_factor`` of its volume."""
     if seconds <= 0:
@@ -395,7 +431,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _shapes_note(shapes: Mapping[str, Any]) -> str:
+def _shapes_note(shapes: BatchShapes) -> str:
     parts = []
     if "policy" in shapes:
         what = (

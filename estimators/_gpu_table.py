@@ -38,7 +38,7 @@ import math
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NoReturn
 
 from ._errors import ConfigError
 
@@ -58,17 +58,17 @@ _PCIE_GEN4: Final = 32e9
 _PCIE_GEN5: Final = 64e9
 
 
-class _ReadOnlyRates(dict):  # type: ignore[type-arg]
+class _ReadOnlyRates(dict[str, float]):
     """The ``tflops`` mapping: a dict that refuses changes (and pickles, unlike mappingproxy)."""
 
     __slots__ = ()
 
-    def _refuse(self, *args: object, **kwargs: object) -> None:
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("GPUSpec.tflops is read-only; build a new spec with "
                         "dataclasses.replace(spec, tflops={...})")
 
-    __setitem__ = __delitem__ = _refuse  # type: ignore[assignment]
-    clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
+    __setitem__ = __delitem__ = _refuse
+    clear = pop = popitem = setdefault = update = __ior__ = _refuse
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, float]]]:
         return (type(self), (dict(self),))

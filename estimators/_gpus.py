@@ -14,7 +14,8 @@ import math
 import os
 import re
 from collections.abc import Iterable
-from typing import Any, Final
+from types import ModuleType
+from typing import Final, SupportsFloat, SupportsInt, TypedDict, cast
 
 from ._errors import ConfigError, UnknownGPUError
 from ._gpu_table import _CONTEXT_BYTES, _DTYPES, _PCIE_GEN3, _TABLE, GPU_SPECS, GPUSpec, _cublas_workspace_for
@@ -167,7 +168,21 @@ def detect_local_gpu(*, index: int | None = None) -> GPUSpec | None:
         return None
 
 
-def _read_nvml(pynvml: Any, index: int | None) -> dict[str, Any] | None:
+class _Readings(TypedDict):
+    """What NVML says of a device; the optional readings as NVML gave them, or None."""
+
+    name: str
+    memory_total: int
+    capability: object
+    bus_width_bits: object
+    mem_clock_mhz: object
+    sm_clock_mhz: object
+    cuda_cores: object
+    pcie_gen: object
+    pcie_width: object
+
+
+def _read_nvml(pynvml: ModuleType, index: int | None) -> _Readings | None:
     """The raw facts about the chosen device; optional ones are ``None`` when NVML lacks them."""
     if pynvml.nvmlDeviceGetCount() < 1:
         return None
@@ -183,7 +198,7 @@ def _read_nvml(pynvml: Any, index: int | None) -> dict[str, Any] | None:
     else:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
 
-    def optional(fn_name: str, *args: Any) -> Any:
+    def optional(fn_name: str, *args: int) -> object:
         fn = getattr(pynvml, fn_name, None)
         if fn is None:
             return None
@@ -214,22 +229,22 @@ def _read_nvml(pynvml: Any, index: int | None) -> dict[str, Any] | None:
 _PCIE_LANE_BYTES: Final = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.877e9}
 
 
-def _positive(value: Any) -> float | None:
+def _positive(value: object) -> float | None:
     try:
-        number = float(value)
+        number = float(cast(SupportsFloat, value))  # an NVML reading: what is no number raises
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) and number > 0 else None
 
 
-def _spec_from_readings(r: dict[str, Any]) -> GPUSpec:
+def _spec_from_readings(r: _Readings) -> GPUSpec:
     memory = r["memory_total"]
     row = _lookup(r["name"])
     if row is not None:
         return row if row.memory_bytes == memory else dataclasses.replace(row, memory_bytes=memory)
 
     try:
-        major, minor = (int(v) for v in r["capability"])
+        major, minor = (int(v) for v in cast(Iterable[SupportsInt], r["capability"]))  # raises if not numbers
         capability = (major, minor)
     except (TypeError, ValueError):
         capability = (0, 0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._config import TrainConfig
 from .memory._workspace import WORKSPACE_ANCHORS
@@ -26,7 +26,12 @@ from .tracing._trace import Trace
 from .tracing._trace_worker import TraceWorker, WorkerDied, worker_available
 
 if TYPE_CHECKING:
+    import threading
+
+    from ._task import Task
+    from ._traces import ShapeKey, TraceKey
     from .memory._prepare import Prepared
+    from .memory._workspace_cache import WorkspaceFits
 
 __all__ = ["PARALLEL_TRACE_S", "Prefetching"]
 
@@ -48,9 +53,9 @@ class Prefetching:
         self._worker_failed = False
         # A prefetch: traces queued in the worker (key -> ticket), those it sent back and
         # not yet prepared, and this process's share, run while it waits.
-        self._pending: dict[tuple[Any, int], int] = {}
-        self._queue: list[tuple[tuple[Any, int], TrainConfig, int]] = []  # fake traces not yet handed out
-        self._fetched: dict[tuple[Any, int], Trace] = {}
+        self._pending: dict[TraceKey, int] = {}
+        self._queue: list[tuple[TraceKey, TrainConfig, int]] = []  # fake traces not yet handed out
+        self._fetched: dict[TraceKey, Trace] = {}
         self._ahead: list[tuple[str, TrainConfig, int]] = []
 
     def can_prefetch(self) -> bool:
@@ -58,7 +63,7 @@ class Prefetching:
         return not (self._data_dependent or self._worker_failed or not worker_available()
                     or (os.cpu_count() or 1) < 2)
 
-    def prefetch(self, fake: dict[tuple[Any, int], tuple[TrainConfig, int]],
+    def prefetch(self, fake: dict[TraceKey, tuple[TrainConfig, int]],
                  local: list[tuple[str, TrainConfig, int]]) -> None:
         """Queue the ``fake`` traces (key -> (configuration, batch)) for both processes and
         keep ``local`` (this process's real runs: ``trace``, ``workspace`` and ``borrow``
@@ -152,7 +157,7 @@ class Prefetching:
             if not self._receive():
                 return
 
-    def _await(self, key: tuple[Any, int], batch: int) -> None:
+    def _await(self, key: TraceKey, batch: int) -> None:
         """Before ``key`` is traced here: take it off the shared queue, or wait for the worker
         that has it; a small real run first waits for a fake trace to come back."""
         self._pump()
@@ -192,7 +197,7 @@ class Prefetching:
         finally:
             self._take_parallel(shape_key, remote)
 
-    def _take_parallel(self, shape_key: tuple[Any, ...], remote: int) -> None:
+    def _take_parallel(self, shape_key: ShapeKey, remote: int) -> None:
         """Keep the worker's trace of ``remote`` (if it made one) with this process's."""
         assert self._worker is not None
         try:
@@ -222,18 +227,18 @@ class Prefetching:
 
     # Provided by the host (see the class docstring); declared for readers and type checkers.
     if TYPE_CHECKING:
-        task: Any
+        task: Task
         device: str
-        _lock: Any
+        _lock: threading.RLock
         _data_dependent: bool
         _fake_traced: bool
         _last_fake_trace_s: float
-        _prepared: dict[tuple[Any, int], Prepared]
-        workspace_fits: Any
+        _prepared: dict[TraceKey, Prepared]
+        workspace_fits: WorkspaceFits
 
         def prepared(self, config: TrainConfig, batch: int) -> Prepared: ...
-        def have(self, key: tuple[Any, int]) -> bool: ...
-        def shape_key(self, config: TrainConfig) -> tuple[Any, ...]: ...
+        def have(self, key: TraceKey) -> bool: ...
+        def shape_key(self, config: TrainConfig) -> ShapeKey: ...
         def _capability(self) -> tuple[int, int] | None: ...
         def _raw_trace(self, config: TrainConfig, batch: int) -> Trace: ...
         def _keep_derived(self, trace: Trace) -> Trace: ...

@@ -13,14 +13,13 @@ when the anchors' ops line up. Otherwise each batch is traced afresh.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ._config import TrainConfig
-from ._traces import TraceSource
+from ._traces import ShapeKey, TraceKey, TraceSource
 from .memory._prepare import Prepared
 from .memory._workspace import WORKSPACE_ANCHORS, fit_key, reference_config, workspaces_at
 from .timing._timing import OpCosts, op_costs
@@ -54,17 +53,17 @@ class BatchScaling:
     def __init__(self, traces: TraceSource, lock: threading.RLock) -> None:
         self.traces = traces
         self._lock = lock
-        self._scaling: dict[Any, _Scaling | None] = {}
+        self._scaling: dict[ShapeKey, _Scaling | None] = {}
         self._affine: bool | None = None  # are allocation sizes affine in the batch size?
         self._anchors = CUDA_ANCHORS if traces.device == "cuda" else ANCHORS
-        self._exact_shapes: set[tuple[Any, ...]] = set()
+        self._exact_shapes: set[ShapeKey] = set()
         # The configuration whose three anchors the prefetch traces to check affinity.
         self._affinity_check: TrainConfig | None = None
 
     def expect(self, configs: Iterable[TrainConfig], *, prefetch: bool = False) -> None:
         """See ``Estimator.expect``."""
         configs = list(configs)
-        sizes: dict[tuple[Any, ...], set[int]] = {}
+        sizes: dict[ShapeKey, set[int]] = {}
         for config in configs:
             sizes.setdefault(self.traces.shape_key(config), set()).add(config.micro_batch_size)
         with self._lock:
@@ -82,23 +81,23 @@ class BatchScaling:
         return config.offload_activations and self.traces.device == "cuda"
 
     @staticmethod
-    def _derivable(key: tuple[Any, ...], sizes: Mapping[tuple[Any, ...], set[int]], few: set[tuple[Any, ...]]) -> bool:
+    def _derivable(key: ShapeKey, sizes: Mapping[ShapeKey, set[int]], few: set[ShapeKey]) -> bool:
         """Do ``key``'s anchors come with the anchors of its accumulating sibling?"""
         sibling = (2, *key[1:])
         return key[0] == 1 and key[3] == "single" and sibling in sizes and sibling not in few
 
-    def _planned_traces(self, configs: list[TrainConfig], sizes: Mapping[tuple[Any, ...], set[int]],
-                        few: set[tuple[Any, ...]]) -> tuple[dict[tuple[Any, int], tuple[TrainConfig, int]],
-                                                             list[tuple[str, TrainConfig, int]]]:
+    def _planned_traces(self, configs: list[TrainConfig], sizes: Mapping[ShapeKey, set[int]],
+                        few: set[ShapeKey]) -> tuple[dict[TraceKey, tuple[TrainConfig, int]],
+                                                     list[tuple[str, TrainConfig, int]]]:
         """The fake traces ``configs`` need (key -> (configuration, batch)) and, on a CPU
         target, this process's real runs (``trace``, ``workspace`` and ``borrow`` items)."""
         traces = self.traces
-        fake: dict[tuple[Any, int], tuple[TrainConfig, int]] = {}
+        fake: dict[TraceKey, tuple[TrainConfig, int]] = {}
         # On a CPU target the real runs are this process's own share.
         local: list[tuple[str, TrainConfig, int]] = []
-        planned: set[tuple[Any, ...]] = set()
-        fits: set[tuple[Any, ...]] = set()
-        borrowers: dict[tuple[Any, ...], TrainConfig] = {}
+        planned: set[ShapeKey] = set()
+        fits: set[tuple[Hashable, ...]] = set()  # workspace fits (memory._workspace_cache.fit_key)
+        borrowers: dict[tuple[tuple[Hashable, ...], str], TrainConfig] = {}
         first_scaled = self._affine is None
         for config in configs:
             key, b = traces.shape_key(config), config.micro_batch_size
@@ -180,7 +179,8 @@ class BatchScaling:
                             # affinity on the CPU's anchors before giving scaling up.
                             self._anchors = ANCHORS
                             return self._scaling_for(config)
-                    if self._affine is not False:
+                        # Not affine on the CPU's anchors (recorded in self._affine): no scaling.
+                    else:
                         scaling = _fit(traces, anchors)
             self._scaling[shape_key] = scaling
             return scaling

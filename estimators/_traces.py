@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -26,7 +26,13 @@ from .memory._workspace import WORKSPACE_ANCHORS
 from .memory._workspace_cache import DIVERGED, WorkspaceFits
 from .tracing._trace import DataDependentShapes, Trace, trace_step
 
-__all__ = ["DATA_DEPENDENT_CAPACITY", "DATA_DEPENDENT_DRAWS", "TraceSource"]
+__all__ = ["DATA_DEPENDENT_CAPACITY", "DATA_DEPENDENT_DRAWS", "ShapeKey", "TraceKey", "TraceSource"]
+
+ShapeKey: TypeAlias = tuple[int, str, int, str, int, "tuple[str, tuple[int, ...]] | None", str, bool, bool, bool]
+"""What traces of one shape share (:meth:`TraceSource.shape_key`): everything but the micro-batch size."""
+
+TraceKey: TypeAlias = tuple[ShapeKey, int]
+"""One trace: its shape and its micro-batch size."""
 
 DATA_DEPENDENT_DRAWS = 4
 """Real two-step runs (disjoint batches) a model with data-dependent shapes is measured on;
@@ -45,9 +51,9 @@ class TraceSource(Prefetching):
     def __init__(self, task: Task, device: str, spec: GPUSpec | None, lock: threading.RLock) -> None:
         self.task, self.device, self.spec = task, device, spec
         self._lock = lock
-        self._prepared: dict[tuple[Any, int], Prepared] = {}
+        self._prepared: dict[TraceKey, Prepared] = {}
         # Traces of accumulation 1 derived from traces of accumulation 2, not yet prepared.
-        self._derived: dict[tuple[Any, int], Trace] = {}
+        self._derived: dict[TraceKey, Trace] = {}
         self._data_dependent = False
         self._fake_traced = False  # a fake trace succeeded: shapes follow sizes, not values
         self._last_fake_trace_s = 0.0
@@ -59,7 +65,7 @@ class TraceSource(Prefetching):
         """Do this model's shapes depend on its data (so it is measured with real runs)?"""
         return self._data_dependent
 
-    def shape_key(self, config: TrainConfig) -> tuple[Any, ...]:
+    def shape_key(self, config: TrainConfig) -> ShapeKey:
         # Everything but the micro-batch size; accumulation beyond 2 traces the same as 2.
         # With items of varying shape, the items that set the planned batch's padded size.
         # (The checkpoint policy goes last: ``_derivable`` reads the strategy by position.)
@@ -84,7 +90,7 @@ class TraceSource(Prefetching):
                 self._prepared[key] = self._prepare(trace)
             return self._prepared[key]
 
-    def have(self, key: tuple[Any, int]) -> bool:
+    def have(self, key: TraceKey) -> bool:
         """Is the trace of ``key`` here, prepared or waiting to be (derived, or from the worker)?"""
         return key in self._prepared or key in self._derived or key in self._fetched
 
