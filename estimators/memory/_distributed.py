@@ -34,7 +34,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,9 @@ from .._config import TrainConfig
 from .._errors import ConfigError
 from ..runtime._checkpoint import BlockFinder, find_block_stack
 from ..runtime._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = ["simulated_ranks", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
            "FsdpUnits", "fsdp_units", "ddp_bucket_bytes"]
@@ -111,7 +114,7 @@ class EmulatedDDP(nn.Module):
     def _assign(self, limits: list[int], order: list[int]) -> None:
         import torch.distributed as dist
 
-        tensors = [self._params[i] for i in order]
+        tensors: list[torch.Tensor] = [self._params[i] for i in order]
         groups, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
         # The reducer drops its buckets before allocating the new ones.
         self.buckets, self._views = [], {}
@@ -143,7 +146,7 @@ class EmulatedDDP(nn.Module):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self._sync = requires_gradient_sync
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         if torch.is_grad_enabled() and not self._rebuilt and self._ready:
             # Rebuilt once, in gradient-ready order, with the configured cap for every bucket.
             self._rebuilt = True
@@ -193,7 +196,7 @@ def parallelize_simulated(
     config: TrainConfig,
     *,
     finder: BlockFinder | None = None,
-    mode: Any = None,
+    mode: FakeTensorMode | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for ``config.strategy`` inside :func:`simulated_ranks`: FSDP2 itself
     (``_parallel.apply_fsdp``), or :class:`EmulatedDDP` with ``_parallel.apply_ddp``'s options.

@@ -20,30 +20,78 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Literal, TypedDict
 
 from ..tracing._recorder import Category
 from ._allocator import CachingAllocatorSim
 from ._timeline import Timeline
 
-__all__ = ["to_snapshot", "write_snapshot", "snapshot_peak"]
+__all__ = ["to_snapshot", "write_snapshot", "snapshot_peak", "Snapshot"]
+
+
+# The parts of ``torch.cuda.memory._snapshot()`` (its docstring's TypedDicts) that are written here.
+class Frame(TypedDict):
+    filename: str
+    line: int
+    name: str
+
+
+class TraceEntry(TypedDict):
+    action: Literal["alloc", "free_requested", "free_completed", "segment_alloc"]
+    addr: int
+    size: int
+    stream: int
+    time_us: int
+    frames: list[Frame]
+    category: str
+
+
+class Block(TypedDict):
+    address: int
+    size: int
+    requested_size: int
+    state: Literal["active_allocated", "inactive"]
+    frames: list[Frame]
+
+
+class Segment(TypedDict):
+    device: int
+    address: int
+    total_size: int
+    allocated_size: int
+    active_size: int
+    requested_size: int
+    stream: int
+    segment_type: Literal["small", "large"]
+    segment_pool_id: tuple[int, int]
+    is_expandable: bool
+    frames: list[Frame]
+    blocks: list[Block]
+
+
+class Snapshot(TypedDict):
+    segments: list[Segment]
+    device_traces: list[list[TraceEntry]]
+    allocator_settings: dict[str, object]
+    external_annotations: list[object]
+
 
 # The viewer appends "unknown" to the category list with a typo'd name (``categores``) when
 # the list lacks it; segment events carry it so the list always has it.
 _SEGMENT_CATEGORY = "unknown"
 
 
-def _frame(name: str) -> list[dict[str, Any]]:
+def _frame(name: str) -> list[Frame]:
     return [{"filename": "memplan (predicted)", "line": 0, "name": name}]
 
 
-def to_snapshot(timeline: Timeline) -> dict[str, Any]:
+def to_snapshot(timeline: Timeline) -> Snapshot:
     """The snapshot dict of ``timeline`` (see the module docstring)."""
     sim = CachingAllocatorSim()
     handles: dict[int, int] = {}  # allocation index -> sim handle
     addr_of: dict[int, int] = {}
     segments: list[tuple[int, int, bool]] = []  # (address, bytes, small pool)
-    trace: list[dict[str, Any]] = []
+    trace: list[TraceEntry] = []
     sizes = timeline.sizes.tolist()
     cats = timeline.categories.tolist()
     phases = timeline.event_phase.tolist()
@@ -69,9 +117,9 @@ def to_snapshot(timeline: Timeline) -> dict[str, Any]:
             trace.append({"action": "alloc", "addr": block.ptr, "size": nbytes, "stream": 0,
                           "time_us": t, "frames": frames, "category": category})
         else:
-            handle = handles.pop(index, None)
-            if handle is None:
+            if index not in handles:
                 continue
+            handle = handles.pop(index)
             addr = addr_of.pop(index)
             sim.free(handle)
             for action in ("free_requested", "free_completed"):
@@ -86,13 +134,13 @@ def to_snapshot(timeline: Timeline) -> dict[str, Any]:
 
 
 def _final_segments(sim: CachingAllocatorSim, handles: dict[int, int], segments: list[tuple[int, int, bool]],
-                    timeline: Timeline) -> list[dict[str, Any]]:
+                    timeline: Timeline) -> list[Segment]:
     """The allocator's state after the last event, as ``_snapshot()["segments"]``."""
-    live = sorted(((sim._live[h], index) for index, h in handles.items() if sim._live[h] is not None),
+    live = sorted(((block, index) for index, h in handles.items() if (block := sim._live[h]) is not None),
                   key=lambda pair: pair[0].ptr)
-    out = []
+    out: list[Segment] = []
     for address, size, small in sorted(segments):
-        blocks: list[dict[str, Any]] = []
+        blocks: list[Block] = []
         cursor = address
         allocated = requested = 0
         for block, index in live:
@@ -130,7 +178,7 @@ def write_snapshot(timeline: Timeline, path: str | Path) -> Path:
     return path
 
 
-def snapshot_peak(snapshot: dict[str, Any], device: int = 0) -> int:
+def snapshot_peak(snapshot: Snapshot, device: int = 0) -> int:
     """The peak of active memory a snapshot's trace shows, counted as PyTorch's viewer does
     (``process_alloc_data`` in ``torch/utils/viz/MemoryViz.js``): blocks alive in
     ``segments`` without an ``alloc`` in the trace were there from the start; each ``alloc``
