@@ -13,12 +13,12 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -64,7 +64,7 @@ def _clock() -> Callable[[], float]:
     return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
-def _best_time(fn: Callable[[], Any], repeats: int = 5) -> float:
+def _best_time(fn: Callable[[], object], repeats: int = 5) -> float:
     """The fastest of ``repeats`` runs: other work on the machine only ever slows a run down,
     so the minimum is the machine's rate (a median would cache a busy moment for good)."""
     clock = _clock()
@@ -88,7 +88,8 @@ class _Tally(TorchDispatchMode):
         self.flops: dict[str, float] = {}
         self.bytes: dict[str, float] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -112,7 +113,7 @@ class _Tally(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def _tally(fn: Callable[[], Any]) -> _Tally:
+def _tally(fn: Callable[[], object]) -> _Tally:
     with _Tally() as tally:
         fn()
     return tally
@@ -138,7 +139,7 @@ def _overhead_step() -> Callable[[], None]:
     return step
 
 
-def _class_benchmarks(dtype: torch.dtype) -> dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]:
+def _class_benchmarks(dtype: torch.dtype) -> dict[str, tuple[Callable[[], object], Callable[[], object] | None]]:
     """Per op class: (forward + backward, forward alone) at sizes like a small model's layers
     (the forward alone only for the compute-bound classes, whose backward kernels differ). Working sets
     of 0.5-4 MB: the caches matter on a CPU, a 100 MB copy would understate small tensors.
@@ -151,7 +152,7 @@ def _class_benchmarks(dtype: torch.dtype) -> dict[str, tuple[Callable[[], Any], 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
 
-    def fwd_bwd(fwd: Callable[[], torch.Tensor], *leaves: torch.Tensor) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    def fwd_bwd(fwd: Callable[[], torch.Tensor], *leaves: torch.Tensor) -> tuple[Callable[[], object], Callable[[], object]]:
         """(forward + backward, forward alone)."""
         grad = torch.ones_like(fwd())
 
@@ -186,7 +187,7 @@ def _measure_cpu_rates() -> DeviceRates:
     step = _overhead_step()
     n_ops = _tally(step).total_ops
     overhead = _best_time(step, repeats=10) / max(n_ops, 1)
-    def work_s(fn: Callable[[], Any], repeats: int) -> tuple[float, _Tally]:
+    def work_s(fn: Callable[[], object], repeats: int) -> tuple[float, _Tally]:
         tally = _tally(fn)
         seconds = _best_time(fn, repeats=repeats)
         # What is left after the ops' fixed costs is the work (at these sizes, mostly).

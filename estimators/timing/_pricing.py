@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -43,7 +42,7 @@ def calibrated_note(points: int) -> str:
     return f"{CALIBRATED}{points} probe(s)"
 
 
-def stored_parts(time_parts: Mapping[str, Any] | None) -> StepTimeParts | None:
+def stored_parts(time_parts: Mapping[str, float] | None) -> StepTimeParts | None:
     """The uncalibrated step-time parts a prediction carries (``Estimate.time_parts``)."""
     stored = time_parts
     if stored is None or "overhead" not in stored:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -94,13 +93,13 @@ def _register_cpu_attention_flops() -> None:
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if fwd is not None and fwd not in flop_registry:
         @register_flop_formula(fwd)
-        def _fwd(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
-                 **kwargs: Any) -> int:
+        def _fwd(query_shape: torch.Size, key_shape: torch.Size, value_shape: torch.Size, *args: object,
+                 out_shape: object = None, **kwargs: object) -> int:
             return sdpa_flop_count(query_shape, key_shape, value_shape)
     if bwd is not None and bwd not in flop_registry:
         @register_flop_formula(bwd)
-        def _bwd(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                 out_shape: Any = None, **kwargs: Any) -> int:
+        def _bwd(grad_out_shape: torch.Size, query_shape: torch.Size, key_shape: torch.Size,
+                 value_shape: torch.Size, *args: object, out_shape: object = None, **kwargs: object) -> int:
             return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
