@@ -20,23 +20,40 @@ takes the runs of one precision instead of those of each checkpoint setting. One
 run of a checkpointed configuration confirms it (``borrow_holds``): a block whose
 recomputation takes other kernels (another backend inside the backward) has the same ops,
 sizes and FLOPs in a fake trace, and only a real run shows its other scratch.
+
+Kernels also switch by size past the anchors, which the anchors cannot show: torch sends a
+bf16 or fp16 GEMM to oneDNN only when ``m·n·k`` exceeds 16³ (``checksize`` and
+``mkldnn_gemm`` in ``aten/src/ATen/native/mkldnn/Matmul.cpp``; fp16 only where oneDNN has
+fp16 kernels, ``ideep::has_fp16_type_support``: avx512_fp16 or avx_ne_convert) and runs the
+others on a reference kernel without scratch. A layer too small to cross that line at
+batch 4 runs oneDNN's kernel, with its scratch, at a larger batch (an MLP of 16-64-4 in
+bf16-true: 36% of its peak at batch 32). So the fit keeps the arguments of each compute op
+(the ops torch counts FLOPs of) at the anchors, and an op without scratch there is run
+alone, for real, at the batch asked once it is larger than every op of its kind seen
+without scratch, where its kind was seen to allocate (``switched_workspaces``). No dtype
+or instruction set is assumed: whether a kind of op allocates is what the anchors or one
+probe of it show.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+import gc
+from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
+import torch
 
 from .._config import TrainConfig
 from .._task import Task
+from ..tracing._profiler import memory_profile
 from ..tracing._trace import Trace, trace_step
 
 __all__ = ["WORKSPACE_ANCHORS", "Source", "WorkspaceFit", "aligned_sources", "aligned_workspaces",
            "borrow_holds", "borrowed_sources", "borrowed_workspaces", "fit_key", "measure_fit",
-           "reference_config", "workspace_at", "workspaces_at"]
+           "reference_config", "switched_workspaces", "workspace_at", "workspaces_at"]
 
 WORKSPACE_ANCHORS = (2, 3, 4)
 """Batch sizes of the real, profiled CPU runs that measure kernel workspaces (see
@@ -51,20 +68,72 @@ BORROW_MISS = 0.01
 """Share of a trace's significant ops a borrowed fit may leave unmatched (they get no
 workspace); more, and the trace's own fit is measured."""
 
+REPLAY_MAX_FLOPS = 1 << 26
+"""Largest op (FLOPs at the batch asked) ``switched_workspaces`` runs alone: ~10 ms on one
+core. Size switches concern ops that were small at the anchors (16³ multiply-adds for
+torch's oneDNN GEMMs); a larger one is not replayed and keeps the fit's figure."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A compute op's arguments at the anchors, to run it alone at another batch size:
+    ``func`` and the arguments' structure (``skeleton``: dtypes, flags, floats), and per
+    anchor the integers in it (sizes, strides, integer arguments), affine in the batch."""
+
+    func: Any
+    skeleton: Any
+    ints: np.ndarray  # (anchors, n) integers of the arguments at each anchor
+
+    def arguments_at(self, batch: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Real tensors and arguments of the op at ``batch``; None where an integer is not
+        affine in the batch or lands off the integers."""
+        a0, a1 = WORKSPACE_ANCHORS[0], WORKSPACE_ANCHORS[-1]
+        values = []
+        for column in self.ints.T.tolist():
+            slope = Fraction(column[-1] - column[0], a1 - a0)
+            if any(v != column[0] + slope * (a - a0) for a, v in zip(WORKSPACE_ANCHORS, column)):
+                return None
+            value = column[0] + slope * (batch - a0)
+            if value.denominator != 1 or value < 0:
+                return None
+            values.append(int(value))
+        args, kwargs = _rebuild(self.skeleton, iter(values))
+        return tuple(args), dict(kwargs)
+
 
 @dataclass(frozen=True)
 class WorkspaceFit:
     """Per phase kind: op names in order, and per op ``intercept + slope·b`` of its new
     bytes, FLOPs and bytes moved (columns ``_NEW``, ``_FLOPS``, ``_MOVED``); ``measured``
-    holds each op's workspace at every anchor (column ``_WS`` comes from ``workspace_at``)."""
+    holds each op's workspace at every anchor (column ``_WS`` comes from ``workspace_at``).
+    ``replays``: per phase kind, the compute ops' arguments by row, for the ops whose kernel
+    may switch past the anchors (see ``switched_workspaces``), whose figures ``switched``
+    keeps per batch size; ``probed``: per group of ops without scratch at the anchors,
+    whether one of them, run larger, showed some."""
 
     kinds: dict[str, tuple[list[str], np.ndarray, np.ndarray]]
     measured: dict[str, np.ndarray]
+    replays: dict[str, dict[int, Replay]] = field(default_factory=dict)
+    switched: dict[int, dict[Source, int]] = field(default_factory=dict, compare=False, repr=False)
+    probed: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, kind: str, batch: int) -> np.ndarray:
         _names, intercept, slope = self.kinds[kind]
         out = np.maximum(np.rint(intercept + slope * batch), 0).astype(np.int64)
         out[:, _WS] = workspace_at(self.measured[kind], batch)
+        return out
+
+    def workspace(self, kind: str, batch: int) -> np.ndarray:
+        """Per op of ``kind``: its workspace bytes at ``batch``, with those of the ops whose
+        kernel switched past the anchors measured at ``batch`` (``switched_workspaces``)."""
+        out = workspace_at(self.measured[kind], batch)
+        if batch > WORKSPACE_ANCHORS[-1] and self.replays:
+            switched = self.switched.get(batch)
+            if switched is None:
+                switched = self.switched[batch] = switched_workspaces(self, batch)
+            for (k, row), value in switched.items():
+                if k == kind:
+                    out[row] = value
         return out
 
 
@@ -146,34 +215,48 @@ def measure_fit(task: Task, config: TrainConfig) -> WorkspaceFit | None:
         # rebuild) and in skipped-sync micro-batches: the runs have the trace's phases.
         one, steps = config.replace(grad_accum_steps=min(config.grad_accum_steps, 2)), 2
 
-    def run(batch: int) -> dict[str, tuple[list[str], np.ndarray]]:
-        trace = trace_step(task, one, batch_size=batch, real=True, profile=True, steps=steps)
+    Run = dict[str, tuple[list[str], np.ndarray, list[tuple[Any, Any, list[int]] | None]]]
+
+    def run(batch: int) -> Run:
+        arguments = _Arguments()
+        trace = trace_step(task, one, batch_size=batch, real=True, profile=True, steps=steps, on_compute=arguments)
         assert trace.op_workspace is not None
+        ws = trace.op_workspace
         return {phase_kind(phase, config): (
                     [trace.ops[i].name for i in idx],
-                    np.asarray([[trace.op_workspace[i], trace.ops[i].new_bytes, trace.ops[i].flops,
-                                 trace.ops[i].bytes_moved] for i in idx], dtype=np.float64).reshape(-1, 4))
+                    np.asarray([[ws[i], trace.ops[i].new_bytes, trace.ops[i].flops,
+                                 trace.ops[i].bytes_moved] for i in idx], dtype=np.float64).reshape(-1, 4),
+                    [arguments.recorded.get(i) for i in idx])
                 for phase, idx in ops_by_phase(trace).items()}
 
     try:
         per_run = [run(a) for a in WORKSPACE_ANCHORS]
     except Exception:  # noqa: BLE001 - no workspace model rather than no estimate
         return None
-    kinds, measured = {}, {}
+    kinds: dict[str, tuple[list[str], np.ndarray, np.ndarray]] = {}
+    measured: dict[str, np.ndarray] = {}
+    replays: dict[str, dict[int, Replay]] = {}
     a0, a1 = WORKSPACE_ANCHORS[0], WORKSPACE_ANCHORS[-1]
-    for kind, (names, w0) in per_run[0].items():
-        others = [r.get(kind) for r in per_run[1:]]
-        if any(other is None or other[0] != names for other in others):
+    for kind, (names, w0, args0) in per_run[0].items():
+        others = [r[kind] for r in per_run[1:] if kind in r]
+        if len(others) < len(per_run) - 1 or any(other[0] != names for other in others):
             continue  # other kernels at another size: this phase kind gets no workspace
         slope = (others[-1][1] - w0) / (a1 - a0)
         kinds[kind] = (names, w0 - slope * a0, slope)
         measured[kind] = np.stack([w0[:, _WS]] + [other[1][:, _WS] for other in others], axis=1)
-    return WorkspaceFit(kinds, measured)
+        rows = {}
+        for row, recorded in enumerate(zip(args0, *(other[2] for other in others))):
+            replay = _replay_of(list(recorded))
+            if replay is not None:
+                rows[row] = replay
+        if rows:
+            replays[kind] = rows
+    return WorkspaceFit(kinds, measured, replays)
 
 
 def workspaces_at(fit: WorkspaceFit, sources: list[Source | None], batch: int) -> list[int]:
     """Per op: the workspace bytes of its source at ``batch`` (0 where it has none)."""
-    at = {kind: fit.at(kind, batch)[:, _WS] for kind in {s[0] for s in sources if s is not None}}
+    at = {kind: fit.workspace(kind, batch) for kind in {s[0] for s in sources if s is not None}}
     return [0 if s is None else int(at[s[0]][s[1]]) for s in sources]
 
 
@@ -321,3 +404,190 @@ def _runs(rest: list[int], order: list[int]) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
+
+
+class _Arguments:
+    """The arguments of the compute ops of a real run (``trace_step``'s ``on_compute``), by
+    op index: sizes, strides and dtypes, never the tensors (which would outlive their op)."""
+
+    def __init__(self) -> None:
+        self.recorded: dict[int, tuple[Any, Any, list[int]]] = {}
+
+    def __call__(self, index: int, func: Any, args: Any, kwargs: Any) -> None:
+        ints: list[int] = []
+        try:
+            self.recorded[index] = (func, _skeleton((args, kwargs), ints), ints)
+        except _Unreplayable:
+            pass
+
+
+class _Unreplayable(Exception):
+    pass
+
+
+_PLAIN = (bool, float, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _skeleton(obj: Any, ints: list[int]) -> Any:
+    """``obj`` with its integers (and tensors' sizes and strides) moved into ``ints``."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
+            raise _Unreplayable  # a subclass (DTensor, fake) runs other code
+        ints.extend(obj.shape)
+        ints.extend(obj.stride())
+        return ("tensor", obj.dtype, obj.dim())
+    if isinstance(obj, _PLAIN):
+        return ("value", obj)
+    if isinstance(obj, int):
+        ints.append(obj)
+        return ("int",)
+    if isinstance(obj, (list, tuple)):
+        return ("list" if isinstance(obj, list) else "tuple", tuple(_skeleton(x, ints) for x in obj))
+    if isinstance(obj, dict):
+        return ("dict", tuple((k, _skeleton(v, ints)) for k, v in obj.items()))
+    raise _Unreplayable
+
+
+def _rebuild(skeleton: Any, ints: Any) -> Any:
+    """The arguments of ``skeleton`` with the integers ``ints`` (an iterator) put back:
+    tensors of those sizes and strides over zeroed storage."""
+    tag = skeleton[0]
+    if tag == "tensor":
+        _tag, dtype, dim = skeleton
+        shape = [next(ints) for _ in range(dim)]
+        stride = [next(ints) for _ in range(dim)]
+        extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        return torch.zeros(extent, dtype=dtype).as_strided(shape, stride)
+    if tag == "value":
+        return skeleton[1]
+    if tag == "int":
+        return next(ints)
+    if tag in ("list", "tuple"):
+        items = [_rebuild(x, ints) for x in skeleton[1]]
+        return items if tag == "list" else tuple(items)
+    return {k: _rebuild(v, ints) for k, v in skeleton[1]}
+
+
+def _replay_of(recorded: list[tuple[Any, Any, list[int]] | None]) -> Replay | None:
+    """The op recorded at every anchor as one ``Replay``, when it has the same structure there."""
+    if any(r is None for r in recorded):
+        return None
+    first = recorded[0]
+    assert first is not None
+    if any(r is not None and (r[0] != first[0] or r[1] != first[1] or len(r[2]) != len(first[2]))
+           for r in recorded[1:]):
+        return None
+    return Replay(first[0], first[1], np.asarray([r[2] for r in recorded if r is not None], dtype=np.int64))
+
+
+def switched_workspaces(fit: WorkspaceFit, batch: int) -> dict[Source, int]:
+    """The ops of ``fit`` whose kernel may have switched between the anchors and ``batch``,
+    run alone at ``batch``, with the workspace each showed.
+
+    Ops are grouped by name (a kind of kernel: ``aten.mm``, ``aten.convolution``). An op with
+    no scratch at any anchor is run when, at ``batch``, it is larger (in FLOPs) than the
+    largest op of its group seen without scratch at an anchor, and its group allocates
+    scratch past some size: another op of the group had scratch at an anchor, or, where none
+    had, the group's fastest-growing op shows some when run once at its size for
+    ``REPLAY_MAX_FLOPS`` (a probe per group and fit: torch's oneDNN GEMMs pass 16³
+    multiply-adds, and a group that allocates nothing there, like fp32 GEMMs, is run no more)."""
+    groups: dict[str, list[tuple[Source, float, float, bool]]] = {}  # name -> (op, flops at 0, per sample, loud)
+    quiet: dict[str, float] = {}  # name -> largest FLOPs seen without scratch at an anchor
+    for kind, (names, intercept, slope) in fit.kinds.items():
+        ws = fit.measured[kind]
+        for row, name in enumerate(names):
+            f0, f1 = float(intercept[row, _FLOPS]), float(slope[row, _FLOPS])
+            if f1 <= 0 and f0 <= 0:
+                continue  # no FLOPs: not a compute op
+            for a, w in zip(WORKSPACE_ANCHORS, ws[row]):
+                if w == 0:
+                    quiet[name] = max(quiet.get(name, 0.0), f0 + f1 * a)
+            groups.setdefault(name, []).append(((kind, row), f0, f1, bool(ws[row].any())))
+
+    def replayable(src: Source) -> bool:
+        return src[1] in fit.replays.get(src[0], {})
+
+    unprobed: dict[str, tuple[Source, int]] = {}
+    for name, ops in groups.items():
+        if name in fit.probed or any(loud for *_op, loud in ops):
+            continue
+        silent = [(f1, src, f0) for src, f0, f1, _loud in ops if f1 > 0 and replayable(src)]
+        if not silent:
+            fit.probed[name] = False
+            continue
+        f1, src, f0 = max(silent)
+        at = int((REPLAY_MAX_FLOPS - f0) // f1)
+        if at <= WORKSPACE_ANCHORS[-1] or f0 + f1 * at <= quiet.get(name, 0.0):
+            fit.probed[name] = False
+            continue
+        unprobed[name] = (src, at)
+    if unprobed:
+        found = _replayed(fit, [(src, at) for src, at in unprobed.values()])
+        for name, (src, _at) in unprobed.items():
+            fit.probed[name] = found.get(src, 0) > 0
+    wanted = [(src, batch) for name, ops in groups.items()
+              if fit.probed.get(name, True) or any(loud for *_op, loud in ops)
+              for src, f0, f1, loud in ops
+              if not loud and quiet.get(name, 0.0) < f0 + f1 * batch <= REPLAY_MAX_FLOPS and replayable(src)]
+    return _replayed(fit, wanted) if wanted else {}
+
+
+def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source, int]:
+    """Each op of ``calls`` (with its batch size) run alone under the profiler: the
+    allocator's highest level during it, less its new outputs (as a step's workspaces are
+    measured, ``trace._op_workspaces``). Ops that cannot be rebuilt or fail are left out."""
+    built: list[tuple[Source, Any, tuple[Any, ...], dict[str, Any]]] = []
+    for src, batch in calls:
+        replay = fit.replays[src[0]][src[1]]
+        arguments = replay.arguments_at(batch)
+        if arguments is not None:
+            built.append((src, replay.func, *arguments))
+    if not built:
+        return {}
+    from torch._C._profiler import _EventType
+
+    news: dict[int, int] = {}
+    collecting = gc.isenabled()
+    gc.disable()  # no garbage from before freed inside the window (see memory_profile)
+    try:
+        with torch.no_grad(), memory_profile(collect=False) as prof:
+            for k, (_src, func, args, kwargs) in enumerate(built):
+                inputs = {t.untyped_storage().data_ptr() for t in _leaves((args, kwargs))}
+                with torch.profiler.record_function(f"memplan_replay::{k}"):
+                    out = func(*args, **kwargs)
+                outputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _leaves(out)}
+                news[k] = sum(n for ptr, n in outputs.items() if ptr not in inputs)
+                del out
+    except Exception:  # noqa: BLE001 - no replay: the fit's figures stand
+        return {}
+    finally:
+        if collecting:
+            gc.enable()
+
+    def walk(nodes: Any) -> Any:
+        for n in nodes:
+            yield n
+            yield from walk(n.children)
+
+    result: dict[Source, int] = {}
+    for node in walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if node.tag != _EventType.TorchOp or not node.name.startswith("memplan_replay::"):
+            continue
+        k = int(node.name.split("::", 1)[1])
+        running = peak = 0
+        allocs = [n for n in walk(node.children) if n.tag == _EventType.Allocation]
+        for a in sorted(allocs, key=lambda e: e.start_time_ns):
+            running += a.extra_fields.alloc_size
+            peak = max(peak, running)
+        result[built[k][0]] = max(0, peak - news[k])
+    return result
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _leaves(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _leaves(x)]
+    return []

@@ -63,7 +63,7 @@ class WorkspaceFits:
         if reference is not None and self.fit_key(trace.config) not in self._workspace_fits:
             borrowed = self.fit(reference)
             sources = borrowed_sources(trace, borrowed) if borrowed is not None else None
-            if sources is not None and self.borrow_holds(trace.config):
+            if borrowed is not None and sources is not None and self.borrow_holds(trace.config):
                 return workspaces_at(borrowed, sources, trace.batch_size), None, (borrowed, sources)
         fit = self.fit(trace.config)
         if fit is None:
