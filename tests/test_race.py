@@ -17,7 +17,8 @@ from test_probe import assert_no_probe_children, probe_server, time_bound, write
 
 # Each block's forward sleeps: a checkpointed block runs it twice per step (forward, then
 # again in the backward), so the checkpointed configuration is slower whatever the machine's
-# load — sleeping does not compete for the cores.
+# load — sleeping does not compete for the cores. The sleeps are long (50 ms) so that a step's
+# compute, which a loaded machine (a parallel test run) stretches, stays a small part of it.
 SLEEPY = """
 import time
 import torch, torch.nn as nn
@@ -28,7 +29,7 @@ class Block(nn.Module):
         super().__init__()
         self.fc = nn.Linear(16, 16)
     def forward(self, x):
-        time.sleep(0.01)
+        time.sleep(0.05)
         return x + self.fc(x)
 
 def model():
@@ -50,8 +51,8 @@ def test_race_times_both_configurations_in_alternation(tmp_path: Path) -> None:
     assert result.ok, result.message
     assert result.configs == (CHECKPOINTED, PLAIN)
     assert [len(t) for t in result.step_times] == [4, 4]
-    # Two blocks sleep 10 ms each: >= 20 ms a plain step, >= 40 ms checkpointed.
-    assert min(result.step_times[1]) >= 0.02 and min(result.step_times[0]) >= 0.04
+    # Two blocks sleep 50 ms each: >= 100 ms a plain step, >= 200 ms checkpointed.
+    assert min(result.step_times[1]) >= 0.1 and min(result.step_times[0]) >= 0.2
     assert result.ratio > 1.5 and result.second_wins == 4
     assert result.median_step_s(0) > result.median_step_s(1)
     assert_no_probe_children()
@@ -69,7 +70,7 @@ def test_race_reports_the_models_error_as_a_status(tmp_path: Path) -> None:
 
 
 def test_race_times_out_and_leaves_no_process(tmp_path: Path) -> None:
-    path = write_model(tmp_path, SLEEPY.replace("time.sleep(0.01)", "time.sleep(30)"))
+    path = write_model(tmp_path, SLEEPY.replace("time.sleep(0.05)", "time.sleep(30)"))
     t0 = time.monotonic()
     result = race(path, (CHECKPOINTED, PLAIN), rounds=2, warmup=0, timeout_s=3)
     assert result.status == "timeout" and time.monotonic() - t0 < 15
