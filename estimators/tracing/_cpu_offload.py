@@ -24,7 +24,10 @@ storage that becomes the CPU gradient).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
+
+import torch
 
 from ._recorder import Category, Recorder
 
@@ -39,24 +42,28 @@ def device_copies() -> Iterator[None]:
     its host-to-device copy does on a card (a clone: on CPU tensors ``.to`` copies nothing)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 
-    original = FSDPParam.all_gather_inputs
+    # The property itself (not what its getter returns), patched by name and put back.
+    name = "all_gather_inputs"
+    original = inspect.getattr_static(FSDPParam, name)
+    assert isinstance(original, property) and original.fget is not None
+    gather = original.fget
 
-    def all_gather_inputs(self: FSDPParam) -> list:
+    def all_gather_inputs(self: FSDPParam) -> list[torch.Tensor]:
         if not self.offload_to_cpu or self.sharded_state != ShardedState.SHARDED \
                 or hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return original.fget(self)  # type: ignore[union-attr]
+            return gather(self)
         host = self._sharded_param_data
         self._sharded_param_data = host.clone()  # the device's copy; dies once gathered
         try:
-            return original.fget(self)  # type: ignore[union-attr]
+            return gather(self)
         finally:
             self._sharded_param_data = host
 
-    FSDPParam.all_gather_inputs = property(all_gather_inputs)  # type: ignore[assignment]
+    setattr(FSDPParam, name, property(all_gather_inputs))
     try:
         yield
     finally:
-        FSDPParam.all_gather_inputs = original  # type: ignore[assignment]
+        setattr(FSDPParam, name, original)
 
 
 def host_allocations(rec: Recorder, phase_labels: Sequence[str], sharded_params: Sequence[int]) -> list[int]:

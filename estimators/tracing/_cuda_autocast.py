@@ -34,8 +34,8 @@ import contextlib
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeGuard
 
 import torch
 
@@ -142,19 +142,19 @@ class _Cache:
     """CUDA autocast's cast cache (``cached_casts`` in autocast_mode.cpp), keyed by tensor."""
 
     def __init__(self) -> None:
-        self.casts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.casts: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
     def clear(self) -> None:
         self.casts.clear()
 
 
-def _eligible(t: Any) -> bool:
+def _eligible(t: object) -> TypeGuard[torch.Tensor]:
     # is_eligible for a CUDA tensor: defined, floating point, not double. The traced CPU
     # tensors stand for the CUDA tensors of the run.
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
 
 
-def _cached_cast(cache: _Cache, lower: torch.dtype, to: torch.dtype, arg: Any) -> Any:
+def _cached_cast(cache: _Cache, lower: torch.dtype, to: torch.dtype, arg: object) -> object:
     if isinstance(arg, (list, tuple)):
         return type(arg)(_cached_cast(cache, lower, to, a) for a in arg)
     if not _eligible(arg) or arg.dtype == to:
@@ -185,7 +185,7 @@ def _promote_type(lower: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtyp
     return current
 
 
-def _flat_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _flat_tensors(args: tuple[object, ...], kwargs: Mapping[str, object]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -202,17 +202,17 @@ def _dtype_position(op: torch._ops.OpOverload) -> int:
     raise ValueError(f"{op} has no dtype argument")
 
 
-def _kernel(name: str, policy: str, cache: _Cache) -> Callable[..., Any]:
+def _kernel(name: str, policy: str, cache: _Cache) -> Callable[..., object]:
     op = _overload(name)
     assert op is not None
     if policy == "banned":
-        def banned(*args: Any, **kwargs: Any) -> Any:
+        def banned(*args: object, **kwargs: object) -> object:
             raise RuntimeError(_BCE_BANNED)
         return banned
     if policy == "fp32_set_opt_dtype":
         position = _dtype_position(op)
 
-        def set_opt_dtype(*args: Any, **kwargs: Any) -> Any:
+        def set_opt_dtype(*args: object, **kwargs: object) -> object:
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
                 # If the first argument is ineligible, the op runs unaltered (no dtype set).
                 if _eligible(args[0]):
@@ -227,13 +227,15 @@ def _kernel(name: str, policy: str, cache: _Cache) -> Callable[..., Any]:
         target = _overload(_FP32_APPEND_DTYPE[name])
         assert target is not None
 
-        def append_dtype(*args: Any, **kwargs: Any) -> Any:
+        def append_dtype(*args: object, **kwargs: object) -> object:
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
-                out_type = torch.float32 if _eligible(args[0]) else args[0].dtype
+                first = args[0]
+                assert isinstance(first, torch.Tensor)  # ``self`` of the norm overloads
+                out_type = torch.float32 if _eligible(first) else first.dtype
                 return target(*args, **kwargs, dtype=out_type)
         return append_dtype
 
-    def cast(*args: Any, **kwargs: Any) -> Any:
+    def cast(*args: object, **kwargs: object) -> object:
         lower = torch.get_autocast_dtype("cpu")
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
             if policy == "lower_precision_fp":
@@ -281,10 +283,10 @@ def cuda_autocast_policy() -> Iterator[None]:
                 lib.impl(name, _kernel(name, CUDA_POLICY[name], cache), "AutocastCPU")
             for name in sorted(_registered_cpu_ops() - cuda_ops):
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        torch.clear_autocast_cache = clear_autocast_cache  # type: ignore[assignment]
+        torch.clear_autocast_cache = clear_autocast_cache
         yield
     finally:
-        torch.clear_autocast_cache = original_clear  # type: ignore[assignment]
+        torch.clear_autocast_cache = original_clear
         cache.clear()
         lib._destroy()
         _ACTIVE.release()

@@ -23,8 +23,7 @@ import contextlib
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -57,8 +56,8 @@ def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return x * torch.zeros((), dtype=x.dtype, device=x.device)
 
 
-def _sdpa_kernel(run: CudaRun) -> Any:
-    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+def _sdpa_kernel(run: CudaRun) -> Callable[..., torch.Tensor]:
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
              dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
              enable_gqa: bool = False) -> torch.Tensor:
         backend = _sdpa.choose_backend(run.capability, query, key, value, attn_mask, dropout_p,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -13,10 +13,13 @@ import torch.nn as nn
 from .._errors import ModelFileError
 from .._task import Task
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
 __all__ = ["build_fake_model", "fake_mode", "quiet_fake_tensor_log"]
 
 
-def fake_mode():
+def fake_mode() -> FakeTensorMode:
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -36,9 +39,9 @@ def quiet_fake_tensor_log() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
+def _fake_copy(module: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """A copy of a real module whose parameters and buffers are fake (ties kept)."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, torch.Tensor] = {}
     for p in module.parameters():
         if id(p) not in memo:
             memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
@@ -48,7 +51,7 @@ def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def build_fake_model(task: Task, mode: Any) -> nn.Module:
+def build_fake_model(task: Task, mode: FakeTensorMode) -> nn.Module:
     """The task's model with fake CPU parameters: built on meta where it can be, so that a
     billion-parameter model costs no real memory; else built for real and copied."""
     if task.prebuilt is not None:

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
-__all__ = ["memory_profile"]
+from torch._C._profiler import _ExtraFields_Allocation
+
+if TYPE_CHECKING:
+    from torch._C._profiler import _ProfilerEvent
+    from torch.profiler import profile
+
+__all__ = ["memory_profile", "event_tree", "walk_events", "allocated_bytes"]
 
 _QUIET_LEVEL = "6"
 
 
-def memory_profile(*, collect: bool = True) -> Any:
+def memory_profile(*, collect: bool = True) -> profile:
     """``torch.profiler.profile`` of CPU activity with memory events, kineto's logs off.
     ``collect=False`` skips the garbage collection (a quarter second in a large process) for
     a caller that keeps the collector off inside its window."""
@@ -31,3 +38,23 @@ def memory_profile(*, collect: bool = True) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
     return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def event_tree(prof: profile) -> list[_ProfilerEvent]:
+    """The top events of a finished profile (each with its ``children``)."""
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    assert results is not None, "the profile has not run"
+    return results.experimental_event_tree()
+
+
+def walk_events(events: Iterable[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
+    """``events`` and all their descendants, depth first."""
+    for event in events:
+        yield event
+        yield from walk_events(event.children)
+
+
+def allocated_bytes(event: _ProfilerEvent) -> int | None:
+    """The bytes an allocation event allocated (negative when it freed), None for other events."""
+    fields = event.extra_fields
+    return fields.alloc_size if isinstance(fields, _ExtraFields_Allocation) else None

@@ -11,20 +11,27 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import torch
 import torch.nn as nn
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from .._types import Batch
 from ..memory import _distributed
 from ..runtime._step import StepHooks
 
-__all__ = ["Category", "OpRecord", "Recorder", "RecordingHooks", "PHASES", "recorded_rng_states"]
+__all__ = ["Category", "OnCompute", "OpRecord", "Recorder", "RecordingHooks", "PHASES", "recorded_rng_states"]
+
+OnCompute: TypeAlias = Callable[[int, OpOverload, Sequence[object], Mapping[str, object]], None]
+"""``on_compute(index, func, args, kwargs)``: shown each op whose FLOPs torch counts."""
+
+_Released: TypeAlias = Callable[["weakref.ref[torch.UntypedStorage]"], None]
 
 
 class Category(enum.IntEnum):
@@ -87,14 +94,14 @@ class Recorder(TorchDispatchMode):
         self.event_phase: list[int] = []
         self.phase = 0
         self.live: dict[int, int] = {}  # id(storage) -> allocation index
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.ops: list[OpRecord] = []
         self.op_positions: list[int] = []  # per op: event position right after its outputs
         self.op_new_bytes: list[int] = []  # per op: bytes of the storages it created
         self.quiet = False  # batch creation is not part of the step's ops
         self.label_ops = False  # wrap ops in profiler ranges (real runs measuring workspaces)
         # Shown each compute op's index, func, args and kwargs (workspace fits keep them to replay).
-        self.on_compute: Any = None
+        self.on_compute: OnCompute | None = None
         self.host: list[int] = []  # allocations in host memory whatever the device
         self.resized: list[int] = []  # allocations freed by resizing their storage to 0
 
@@ -151,7 +158,7 @@ class Recorder(TorchDispatchMode):
             return None
 
     # ops -------------------------------------------------------------------------------
-    def _track_outputs(self, func: Any, out: Any) -> bool | tuple[bool, ...]:
+    def _track_outputs(self, func: OpOverload, out: object) -> bool | tuple[bool, ...]:
         # Returns the schema marks as aliases (views, in-place and out= results) are storage
         # that already exists — possibly from before the trace, like the dataset tensor a
         # batch item is a view of; only the other returns can be new allocations.
@@ -166,7 +173,8 @@ class Recorder(TorchDispatchMode):
                     self.track(t)
         return aliased
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Mapping[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         if self.quiet:
             out = func(*args, **kwargs)
@@ -204,8 +212,8 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-_ALIASED: dict[Any, Any] = {}
-_OP_NAMES: dict[Any, str] = {}
+_ALIASED: dict[OpOverload, bool | tuple[bool, ...]] = {}
+_OP_NAMES: dict[OpOverloadPacket, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
@@ -216,7 +224,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+def _tensors(obj: object, out: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results, appended to ``out`` in order.
 
     Aten ops take and return tensors, lists or tuples of them, scalars and None (dicts only
@@ -241,14 +249,14 @@ def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
 _FRESH = {"lift_fresh", "lift_fresh_copy", "lift"}
 
 
-def _aliased(func: Any) -> bool | tuple[bool, ...]:
+def _aliased(func: OpOverload) -> bool | tuple[bool, ...]:
     if func not in _ALIASED:
         from ..runtime._guard import _aliased_returns
         _ALIASED[func] = False if func._overloadpacket.__name__ in _FRESH else _aliased_returns(func)
     return _ALIASED[func]
 
 
-def functools_partial(fn: Any, key: int) -> Any:
+def functools_partial(fn: Callable[[int, weakref.ref[torch.UntypedStorage]], None], key: int) -> _Released:
     # A plain closure is cheaper than functools.partial for the millions of weakrefs of big traces.
     return lambda ref: fn(key, ref)
 
@@ -277,11 +285,11 @@ def recorded_rng_states(rec: Recorder) -> Iterator[None]:
                 rec.host.append(index)
         return state
 
-    torch.get_rng_state = get_rng_state  # type: ignore[assignment]
+    torch.get_rng_state = get_rng_state
     try:
         yield
     finally:
-        torch.get_rng_state = original  # type: ignore[assignment]
+        torch.get_rng_state = original
 
 
 def _mark(rec: Recorder, indices: set[int], category: Category, *, only_from: Category) -> None:
@@ -307,7 +315,7 @@ class RecordingHooks(StepHooks):
     def making_batch(self, on: bool) -> None:
         self.rec.quiet = on
 
-    def batch(self, batch: Any) -> None:
+    def batch(self, batch: Batch) -> None:
         for leaf in tree_flatten(batch)[0]:
             if isinstance(leaf, torch.Tensor):
                 index = self.rec.track(leaf, Category.BATCH)
@@ -327,7 +335,7 @@ class RecordingHooks(StepHooks):
         if param.grad is not None:
             _mark_tensor(self.rec, param.grad, Category.GRADIENTS)
 
-    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
@@ -337,7 +345,7 @@ class RecordingHooks(StepHooks):
                 if value is not None:
                     _mark_tensor(self.rec, value, Category.OPTIMIZER)
 
-    def held(self, tensors: Any, kind: str) -> None:
+    def held(self, tensors: Sequence[torch.Tensor], kind: str) -> None:
         for t in tensors:
             index = self.rec.track(t, Category.EMA)
             if index is not None:

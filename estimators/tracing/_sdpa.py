@@ -24,8 +24,6 @@ selection (``sdpa_kernel``) and no nested tensors.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = ["ASSUMED_CUDNN", "choose_backend", "run_backend", "priority_order"]
@@ -45,7 +43,7 @@ def priority_order(capability: Capability, cudnn: int = ASSUMED_CUDNN) -> tuple[
     return ("flash", "efficient", "math", "cudnn")
 
 
-def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_gqa: bool,
+def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, enable_gqa: bool,
               *, singleton_ok: bool) -> bool:
     # check_tensor_shapes, check_batch_size_and_num_heads_dense, check_nonzero_sequence_lengths
     # and check_last_dim_stride_equals_1: the checks every fused backend shares.
@@ -67,11 +65,11 @@ def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enab
     return True
 
 
-def _requires_grad(*tensors: Any) -> bool:
+def _requires_grad(*tensors: object) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _can_flash(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+def _can_flash(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                dropout: float, causal: bool, gqa: bool) -> bool:
     if mask is not None or not (8, 0) <= cap <= (12, 1):
         return False
@@ -95,7 +93,7 @@ def _gemm_alignment(cap: Capability, dtype: torch.dtype) -> int:
     return max(mn, 128 // (16 if half else 32)) if tensor_cores else mn
 
 
-def _can_efficient(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+def _can_efficient(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    gqa: bool) -> bool:
     if not (5, 0) <= cap <= (12, 1):
         return False
@@ -129,7 +127,7 @@ def _cudnn_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return packed(v) or (unpacked(q) and unpacked(k) and unpacked(v))
 
 
-def _can_cudnn(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+def _can_cudnn(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                dropout: float, cudnn: int) -> bool:
     if cudnn < 90000 or not (8, 0) <= cap <= (12, 1):
         return False
@@ -152,7 +150,7 @@ def _can_cudnn(cap: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def choose_backend(capability: Capability, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                    enable_gqa: bool = False, *, cudnn: int = ASSUMED_CUDNN) -> str:
     """The backend ``select_sdp_backend`` picks on a card of ``capability``:
     ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``."""
@@ -168,14 +166,14 @@ def choose_backend(capability: Capability, q: torch.Tensor, k: torch.Tensor, v: 
     return "math"
 
 
-def _additive_mask(mask: Any, q: torch.Tensor) -> Any:
+def _additive_mask(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
     # convert_boolean_attn_mask: a bool mask becomes an additive one in the query's dtype.
     if isinstance(mask, torch.Tensor) and mask.dtype is torch.bool:
         return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     return mask
 
 
-def run_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any,
+def run_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
     """The attention output of ``backend``'s aten op, whose autograd node saves what that
     backend saves on CUDA."""

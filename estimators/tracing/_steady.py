@@ -29,7 +29,10 @@ step (``drop_second_micro``): one trace of accumulation 2 serves accumulation 1 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._recorder import OpRecord
 
 __all__ = ["RawEvents", "drop_second_micro", "repeat_first_step"]
 
@@ -44,7 +47,7 @@ class RawEvents:
     event_sign: list[int]
     event_phase: list[int]
     phase_labels: list[str]
-    ops: list[Any]
+    ops: list[OpRecord]
     op_positions: list[int]
     host: list[int]
     op_workspace: list[int] | None = None
@@ -132,7 +135,7 @@ def _repeat_events(raw: RawEvents, events: list[tuple[int, int, int]], in_step: 
 
 
 def _repeat_ops(raw: RawEvents, first: int, last: int, shift: int, survivors: set[int], n_before_end: int,
-                copied_before: list[int]) -> tuple[list[Any], list[int], list[int] | None]:
+                copied_before: list[int]) -> tuple[list[OpRecord], list[int], list[int] | None]:
     """Ops, their event positions and workspaces: step 1's again as step 2, less those that
     only created surviving state."""
     n_copied = copied_before[-1]

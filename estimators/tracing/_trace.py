@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
@@ -30,8 +31,12 @@ from ..runtime._planned import PlannedSteps
 from ..runtime._step import StepHooks
 from . import _cpu_offload
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
-from ._recorder import Category, OpRecord, Recorder, RecordingHooks, recorded_rng_states
+from ._profiler import allocated_bytes, event_tree, walk_events
+from ._recorder import Category, OnCompute, OpRecord, Recorder, RecordingHooks, recorded_rng_states
 from ._steady import RawEvents, drop_second_micro, repeat_first_step
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 __all__ = ["Trace", "trace_step", "run_steps", "DataDependentShapes"]
 
@@ -114,7 +119,7 @@ def trace_step(
     capability: tuple[int, int] | None = None,
     batch_offset: int = 0,
     options: StepOptions | None = None,
-    on_compute: Any = None,
+    on_compute: OnCompute | None = None,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -164,16 +169,17 @@ def trace_step(
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
                 synthesize: bool, foreach: bool, cuda: bool = False,
                 capability: tuple[int, int] | None = None, batch_offset: int = 0,
-                options: StepOptions | None = None, on_compute: Any = None) -> Trace:
+                options: StepOptions | None = None, on_compute: OnCompute | None = None) -> Trace:
     # One device or FSDP2 on fake tensors: trace one step and derive the later ones (see _steady).
     derive = synthesize and config.strategy in ("single", "fsdp") and steps == 2
     traced_steps = 1 if derive else steps
-    mode = contextlib.nullcontext() if real else fake_mode()
+    fake = None if real else fake_mode()
+    mode: contextlib.AbstractContextManager[object] = fake if fake is not None else contextlib.nullcontext()
     quiet = contextlib.nullcontext() if real else quiet_fake_tensor_log()
-    if real:
+    if fake is None:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
     else:
-        model = build_fake_model(task, mode)
+        model = build_fake_model(task, fake)
     built: BuiltModel | None = None
     rec = Recorder()
     rec.label_ops = profile and real
@@ -186,10 +192,11 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         # Wrapped before recording starts: the full model a rank holds before sharding is
         # not part of the step (training builds it sharded, or frees it before the first step).
         built = build_for_training(task, config, "cpu", model=model, wrap=lambda m: _distributed.parallelize_simulated(
-            m, config, finder=task.checkpoint_blocks, mode=mode))
+            m, config, finder=task.checkpoint_blocks, mode=fake))
         model = built.wrapped
         with mode, quiet:
             sharded = [rec.track(p, Category.PARAMS) for p in model.parameters()]
+            buf: torch.Tensor | None = None
             for buf in model.buffers():
                 rec.track(buf, Category.BUFFERS)
             for bucket in getattr(model, "buckets", ()):
@@ -239,7 +246,7 @@ def _step_failed(exc: Exception, task: Task, config: TrainConfig, b: int, *, rea
         "check that the model accepts batches from train_data() and that loss() returns a scalar")
 
 
-def _finished(rec: Recorder, phase_labels: list[str], prof: Any, config: TrainConfig, b: int, method: str,
+def _finished(rec: Recorder, phase_labels: list[str], prof: profile | None, config: TrainConfig, b: int, method: str,
               notes: tuple[str, ...], *, derive: bool) -> Trace:
     """The recorded events as a Trace (with the later steps derived from the first, when asked)."""
     # Whatever is still alive at the end (params, buffers, optimizer state) is released at
@@ -322,31 +329,26 @@ def _canonical_free_order(alloc: list[int], sign: list[int], phase: list[int]) -
     return a, p
 
 
-def _memory_profiler() -> Any:
+def _memory_profiler() -> profile:
     from ._profiler import memory_profile
     return memory_profile()
 
 
-def _op_workspaces(prof: Any, new_bytes: list[int]) -> list[int]:
+def _op_workspaces(prof: profile, new_bytes: list[int]) -> list[int]:
     """Per op: the allocator's highest level during the op above its start, less the op's
     outputs — scratch memory no tensor shows (oneDNN reorders, RNN workspaces, sort buffers)."""
     from torch._C._profiler import _EventType
 
     result = [0] * len(new_bytes)
-
-    def walk(nodes: Any) -> Any:
-        for n in nodes:
-            yield n
-            yield from walk(n.children)
-
-    for node in walk(prof.profiler.kineto_results.experimental_event_tree()):
+    for node in walk_events(event_tree(prof)):
         if node.tag != _EventType.TorchOp or not node.name.startswith("memplan_op::"):
             continue
         i = int(node.name.split("::", 1)[1])
         running = peak = 0
-        allocs = [n for n in walk(node.children) if n.tag == _EventType.Allocation]
-        for a in sorted(allocs, key=lambda e: e.start_time_ns):
-            running += a.extra_fields.alloc_size
+        allocs = [(n.start_time_ns, size) for n in walk_events(node.children)
+                  if (size := allocated_bytes(n)) is not None]
+        for _, size in sorted(allocs, key=lambda e: e[0]):
+            running += size
             peak = max(peak, running)
         if i < len(result):
             result[i] = max(0, peak - new_bytes[i])

@@ -22,7 +22,9 @@ import shutil
 import sys
 import tempfile
 import weakref
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TypeAlias
 
 import torch
 
@@ -31,6 +33,12 @@ from .._task import Task
 from ._trace import Trace, trace_step
 
 __all__ = ["TraceWorker", "worker_available", "close_all"]
+
+_Request: TypeAlias = "tuple[int, TrainConfig, int, str, tuple[int, int] | None] | None"
+"""(ticket, configuration, batch size, target, capability) to trace; None stops the worker."""
+
+_Reply: TypeAlias = "tuple[int, str, str | BaseException]"
+"""(ticket, "file", the path the trace was pickled to) or (ticket, "error", the exception)."""
 
 
 def worker_available() -> bool:
@@ -64,6 +72,8 @@ class TraceWorker:
     def __init__(self, task: Task) -> None:
         ctx = multiprocessing.get_context("fork")
         self._dir = tempfile.mkdtemp(prefix="memplan-trace-")
+        self._conn: Connection[_Request, _Reply]
+        child: Connection[_Reply, _Request]
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(task, child, self._dir), name="memplan-trace", daemon=True)
         self._proc.start()
@@ -94,7 +104,7 @@ class TraceWorker:
         except (EOFError, OSError):
             return True
 
-    def next_result(self, timeout_s: float) -> tuple[int, Any]:
+    def next_result(self, timeout_s: float) -> tuple[int, Trace | BaseException]:
         """The oldest queued request's ticket and its trace, or the exception it raised.
         :class:`WorkerDied` when the worker exited, or sent nothing within ``timeout_s``
         (a worker stuck after the fork is killed)."""
@@ -108,14 +118,15 @@ class TraceWorker:
         except (EOFError, OSError) as exc:
             raise WorkerDied(f"trace worker exited ({self._proc.exitcode})") from exc
         self._queued.remove(ticket)
-        if kind == "file":
-            path = payload
-            try:
-                with open(path, "rb") as f:
-                    payload = pickle.load(f)
-            finally:
-                os.unlink(path)
-        return ticket, payload
+        if isinstance(payload, BaseException):
+            return ticket, payload
+        assert kind == "file"
+        try:
+            with open(payload, "rb") as f:
+                trace: Trace = pickle.load(f)
+        finally:
+            os.unlink(payload)
+        return ticket, trace
 
     def result(self, timeout_s: float) -> Trace:
         """The oldest queued trace; its exception re-raised."""
@@ -133,7 +144,7 @@ class TraceWorker:
         _LIVE.discard(self)
 
 
-def _stop(proc: Any, conn: Any, directory: str) -> None:
+def _stop(proc: BaseProcess, conn: Connection[_Request, _Reply], directory: str) -> None:
     """Ask the worker to exit (killed if it does not within 5 s), then drop its files."""
     try:
         conn.send(None)
@@ -147,7 +158,7 @@ def _stop(proc: Any, conn: Any, directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _serve(task: Task, conn: Any, directory: str) -> None:
+def _serve(task: Task, conn: Connection[_Reply, _Request], directory: str) -> None:
     torch.set_num_threads(1)
     while True:
         try:
@@ -163,7 +174,7 @@ def _serve(task: Task, conn: Any, directory: str) -> None:
             with open(path + ".tmp", "wb") as f:
                 pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(path + ".tmp", path)
-            message: tuple[int, str, Any] = (ticket, "file", path)
+            message: _Reply = (ticket, "file", path)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             message = (ticket, "error", exc)
         try:
