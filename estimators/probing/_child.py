@@ -15,12 +15,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from .._errors import MemplanError
 from .._task import Task
 from ..runtime._oom import is_oom_error
-from ..runtime._options import StepOptions
+from ._messages import ProbeStatus, Reply, Request, TaskPayload
 from ._wire import kill_group, read_msg, write_msg
 
 __all__ = ["HANDLERS"]
@@ -147,12 +147,12 @@ def _child_main(sock_fd: int) -> None:
     import faulthandler
 
     faulthandler.enable()
-    msg = read_msg(sock_fd, None)
+    msg = cast(Request, read_msg(sock_fd, None))  # as Prober.request made it
     reply = _serve(msg)
     write_msg(sock_fd, reply, None)
 
 
-def _serve(msg: dict[str, Any]) -> dict[str, Any]:
+def _serve(msg: Request) -> Reply:
     if msg.get("env") is not None:
         os.environ.clear()
         os.environ.update(msg["env"])
@@ -175,7 +175,7 @@ def _serve(msg: dict[str, Any]) -> dict[str, Any]:
         module, _, function = HANDLERS[msg.get("kind", "probe")].partition(":")
         return getattr(importlib.import_module(module), function)(task, msg)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a result
-        status = "oom" if is_oom_error(exc) else "error"
+        status: ProbeStatus = "oom" if is_oom_error(exc) else "error"
         return {"status": status, "estimate": None, "message": _describe(exc, source), "steps_s": 0.0,
                 "raised": status == "error"}
 
@@ -194,16 +194,17 @@ def _describe(exc: BaseException, source: str | None) -> str:
     return line
 
 
-def _load(spec: dict[str, Any]) -> Task:
+def _load(spec: TaskPayload) -> Task:
     from .._task import load_task
 
     if "path" in spec:
         task = load_task(spec["path"])
-        if spec.get("settings") is not None:
-            task = dataclasses.replace(task, settings=dict(spec["settings"]))
+        settings = spec.get("settings")
+        if settings is not None:
+            task = dataclasses.replace(task, settings=dict(settings))
         if spec.get("shapes") is not None:
             task._cache["shapes"] = spec["shapes"]
         if spec.get("step") is not None:
-            task = task.with_step(StepOptions(**spec["step"]))
+            task = task.with_step(spec["step"])
         return task.with_shape_policy(spec.get("shape_policy") or "max")
     return pickle.loads(spec["blob"])

@@ -23,17 +23,24 @@ import socket
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from .._config import TrainConfig
+from .._shapes import dataset_length
 from .._task import Task
 from ..runtime._build import BuiltModel, build_for_training
 from ..runtime._options import StepOptions
 from ..runtime._planned import PlannedSteps
 from ..runtime._step import make_step_parts, train_step
+from ..tracing._profiler import event_tree, walk_events
+from ._messages import ConfigDict
+
+if TYPE_CHECKING:
+    from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
+    from torch.profiler import profile
 
 __all__ = ["CpuMeasurement", "measure_cpu_peak", "measure_epoch_peak", "measure_distributed_peaks", "storage_bytes"]
 
@@ -59,7 +66,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _profiled() -> Any:
+def _profiled() -> profile:
     from ..tracing._profiler import memory_profile
 
     return memory_profile()
@@ -68,28 +75,22 @@ def _profiled() -> Any:
 _STEPS_MARK = "memplan::steps"
 
 
-def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int, int]:
+def _allocation_levels(prof: profile, *, from_mark: str | None = None) -> tuple[int, int]:
     """(peak, level at the start) of the running sum of a profile's allocation events; with
     ``from_mark``, the peak is taken from the start of that ``record_function`` range on and
     the level is the running sum when it starts."""
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _ExtraFields_Allocation
 
-    events: list[Any] = []
+    events: list[tuple[_ProfilerEvent, _ExtraFields_Allocation]] = []
     marks: list[int] = []
     main_tid: int | None = None
-
-    def walk(nodes: Iterable[Any]) -> None:
-        nonlocal main_tid
-        for n in nodes:
-            if n.tag == _EventType.Allocation:
-                events.append(n)
-            elif from_mark is not None and n.name == from_mark:
-                marks.append(n.start_time_ns)
-                main_tid = n.start_tid
-            walk(n.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    events.sort(key=lambda e: e.start_time_ns)
+    for n in walk_events(event_tree(prof)):
+        if isinstance(n.extra_fields, _ExtraFields_Allocation):
+            events.append((n, n.extra_fields))
+        elif from_mark is not None and n.name == from_mark:
+            marks.append(n.start_time_ns)
+            main_tid = n.start_tid
+    events.sort(key=lambda e: e[0].start_time_ns)
     start = min(marks) if marks else None
     running = peak = level = 0
     # Blocks allocated by other threads than the one that runs the steps: gloo's worker
@@ -97,11 +98,11 @@ def _allocation_levels(prof: Any, *, from_mark: str | None = None) -> tuple[int,
     # thread timing (NCCL has none); the estimate describes the training step's own memory.
     # Such a block is skipped, and so is its release, on whatever thread that happens.
     foreign: set[int] = set()
-    for e in events:
+    for e, fields in events:
         if start is not None and e.start_time_ns >= start and level is not None:
             level, peak = running, running
             start = None
-        size, ptr = e.extra_fields.alloc_size, e.extra_fields.ptr
+        size, ptr = fields.alloc_size, fields.ptr
         if main_tid is not None and size > 0 and e.start_tid != main_tid:
             foreign.add(ptr)
             continue
@@ -167,7 +168,7 @@ def measure_epoch_peak(task: Task, config: TrainConfig, *, seed: int = 0,
     data = task.dataset()
     if data is None or config.strategy != "single":
         raise ValueError("measure_epoch_peak needs a dataset and a one-device configuration")
-    n = len(data)  # type: ignore[arg-type]
+    n = dataset_length(data)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
     built = build_for_training(task, config, "cpu", model=model)
@@ -192,7 +193,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, world_size: int, port: int, model_path: str, configs: list[dict[str, Any]],
+def _rank_main(rank: int, world_size: int, port: int, model_path: str, configs: list[ConfigDict],
                steps: int, out_dir: str) -> None:
     import torch.distributed as dist
 

@@ -68,7 +68,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import signal
@@ -77,18 +76,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from .._config import TrainConfig
 from .._errors import ConfigError, ProbeError
 from .._estimate import Estimate
 from .._task import Task
 from ..runtime._oom import is_oom_error
+from ._messages import ProbeStatus, Reply, Request, TaskPayload
 from ._server import Child, ChildGone, Timeout, log_tail, prestart, server_log, shutdown
 
-__all__ = ["ProbeResult", "Prober", "probe", "prestart", "shutdown", "is_oom_error"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-ProbeStatus = Literal["ok", "oom", "error", "timeout"]
+__all__ = ["ProbeResult", "Prober", "probe", "prestart", "shutdown", "is_oom_error"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -122,7 +123,7 @@ class ProbeResult:
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "status": self.status,
             "estimate": self.estimate.to_dict() if self.estimate is not None else None,
@@ -135,6 +136,7 @@ class ProbeResult:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ProbeResult:
+        """The result ``to_dict`` wrote, as read back from JSON."""
         est = data.get("estimate")
         return cls(
             status=data["status"],
@@ -149,7 +151,7 @@ class ProbeResult:
 
 # --------------------------------------------------------------------------- the parent side
 
-def _task_payload(task_ref: Task | str | os.PathLike[str]) -> dict[str, Any]:
+def _task_payload(task_ref: Task | str | os.PathLike[str]) -> TaskPayload:
     """How the child gets the task: a model-file path, or the pickled in-memory Task."""
     if isinstance(task_ref, (str, os.PathLike)):
         path = Path(task_ref)
@@ -167,7 +169,7 @@ def _task_payload(task_ref: Task | str | os.PathLike[str]) -> dict[str, Any]:
         # The item shapes found here travel along: the child does not scan the data again.
         return {"path": task_ref.source_path, "settings": settings, "name": task_ref.name,
                 "shape_policy": task_ref.shape_policy, "shapes": task_ref._cache.get("shapes"),
-                "step": dataclasses.asdict(task_ref.step)}
+                "step": task_ref.step}
     try:
         import cloudpickle
     except ImportError as exc:  # pragma: no cover - cloudpickle comes with optuna
@@ -223,7 +225,7 @@ class Prober:
     def __enter__(self) -> Prober:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def probe(self, config: TrainConfig, *, steps: int = 5, warmup: int = 2,
@@ -240,10 +242,10 @@ class Prober:
                            raised=bool(reply.get("raised")) if reply and status == "error" else False,
                            first_step_extra_s=reply.get("first_step_extra_s") if reply else None)
 
-    def request(self, **fields: Any) -> dict[str, Any]:
+    def request(self, **fields: Unpack[Request]) -> Request:
         import torch
 
-        return {
+        request: Request = {
             "task": self._payload, "device": self.device, "sys_path": list(sys.path),
             # The caller's intra-op threads: a probe times what this process would see.
             "num_threads": torch.get_num_threads(),
@@ -251,16 +253,17 @@ class Prober:
             # the child takes the caller's current ones.
             "env": dict(os.environ), "cwd": os.getcwd(), **fields,
         }
+        return request
 
-    def exchange(self, request: dict[str, Any], timeout_s: float,
-                  what: str) -> tuple[ProbeStatus, str, dict[str, Any] | None, float]:
+    def exchange(self, request: Request, timeout_s: float,
+                  what: str) -> tuple[ProbeStatus, str, Reply | None, float]:
         """Send ``request`` to a fresh child; its status, message, reply (None when the child
         failed to answer) and the call's wall time."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
 
         def out(status: ProbeStatus, message: str,
-                reply: dict[str, Any] | None = None) -> tuple[ProbeStatus, str, dict[str, Any] | None, float]:
+                reply: Reply | None = None) -> tuple[ProbeStatus, str, Reply | None, float]:
             return status, message, reply, time.monotonic() - t0
 
         timeout_message = f"the probe of {what} did not finish within {timeout_s:g} s; the probe process was killed"
@@ -274,7 +277,7 @@ class Prober:
             shutdown()
             return out("error", "the probe server died" + (f"; its last output: {tail}" if tail else ""))
         failed: tuple[ProbeStatus, str] | None = None
-        reply: dict[str, Any] | None = None
+        reply: Reply | None = None
         try:
             reply = child.request(request, deadline)
         except Timeout:

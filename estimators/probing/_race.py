@@ -48,11 +48,11 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .._config import TrainConfig
 from .._errors import ConfigError
 from .._task import Task
+from ._messages import Reply, Request
 from ._probe import Prober, check_warmup_and_timeout
 
 __all__ = ["RaceResult", "race"]
@@ -146,7 +146,7 @@ def race(task_ref: Task | str | os.PathLike[str], configs: Sequence[TrainConfig]
 
 # --------------------------------------------------------------------------- the child side
 
-def serve_race(task: Task, msg: dict[str, Any]) -> dict[str, Any]:
+def serve_race(task: Task, msg: Request) -> Reply:
     """The probe server's handler of a race request."""
     return run_race(task, [TrainConfig.from_dict(c) for c in msg["configs"]], device=msg["device"],
                     rounds=msg["rounds"], warmup=msg["warmup"], compiled=msg.get("compiled"),
@@ -154,7 +154,7 @@ def serve_race(task: Task, msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int,
-             compiled: Sequence[bool] | None = None, guard_bytes: int | None = None) -> dict[str, Any]:
+             compiled: Sequence[bool] | None = None, guard_bytes: int | None = None) -> Reply:
     """In the probe child: build both configurations, warm them up, time the rounds."""
     import contextlib
 
@@ -162,14 +162,14 @@ def run_race(task: Task, configs: list[TrainConfig], *, device: str, rounds: int
 
     from ..runtime._guard import MemoryGuard
 
-    guarded = guard_bytes is not None and torch.device(device).type == "cpu"
+    cpu = torch.device(device).type == "cpu"
     task.batch_template()  # the dataset is built outside the guard, as the trainer builds it
-    with MemoryGuard(guard_bytes) if guarded else contextlib.nullcontext():
+    with MemoryGuard(guard_bytes) if guard_bytes is not None and cpu else contextlib.nullcontext():
         return _race_steps(task, configs, device=device, rounds=rounds, warmup=warmup, compiled=compiled)
 
 
 def _race_steps(task: Task, configs: list[TrainConfig], *, device: str, rounds: int, warmup: int,
-                compiled: Sequence[bool] | None) -> dict[str, Any]:
+                compiled: Sequence[bool] | None) -> Reply:
     import torch
 
     from ..runtime._build import build_for_training

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch.profiler import record_function
@@ -23,7 +23,14 @@ from .._task import Task
 from ..runtime._build import build_for_training
 from ..runtime._planned import PlannedSteps
 from ..runtime._step import StepHooks
+from ..tracing._profiler import allocated_bytes, event_tree
 from ._measure import storage_bytes
+from ._messages import Reply, Request
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
+
+    from ..runtime._guard import MemoryGuard
 
 __all__ = ["run_probe", "serve_probe", "MEMORY_STEPS"]
 
@@ -38,7 +45,7 @@ class _ProfiledPhases(StepHooks):
     read from the profile afterwards."""
 
     def __init__(self) -> None:
-        self._open: Any = None
+        self._open: record_function | None = None
 
     def phase(self, label: str, kind: str) -> None:
         self.close()
@@ -73,14 +80,20 @@ class _CudaPhases(StepHooks):
         self._current = None
 
 
-def serve_probe(task: Task, msg: dict[str, Any]) -> dict[str, Any]:
+class _ModelFacts(TypedDict):
+    params: int
+    trainable: int
+    breakdown: dict[str, int]
+
+
+def serve_probe(task: Task, msg: Request) -> Reply:
     """The probe server's handler of a probe request."""
     return run_probe(task, TrainConfig.from_dict(msg["config"]), device=msg["device"], steps=msg["steps"],
                      warmup=msg["warmup"], budget_bytes=msg["budget_bytes"])
 
 
 def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmup: int,
-              budget_bytes: int | None) -> dict[str, Any]:
+              budget_bytes: int | None) -> Reply:
     """Measure ``config``; the reply the probe server sends back (``status``, ``estimate``, ...)."""
     from ..runtime._guard import MemoryGuard
 
@@ -136,7 +149,7 @@ def run_probe(task: Task, config: TrainConfig, *, device: str, steps: int, warmu
             "first_step_extra_s": first_extra}
 
 
-def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
+def _model_facts(model: torch.nn.Module) -> _ModelFacts:
     seen: set[int] = set()
     n_params = n_trainable = 0
     for p in model.parameters():
@@ -148,7 +161,8 @@ def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
             "breakdown": {"params": storage_bytes(model.parameters()), "buffers": storage_bytes(model.buffers())}}
 
 
-def _memory_steps(run: PlannedSteps, dev: torch.device, guard: Any) -> tuple[int, int | None, str, float]:
+def _memory_steps(run: PlannedSteps, dev: torch.device,
+                  guard: MemoryGuard | None) -> tuple[int, int | None, str, float]:
     """The first optimizer steps' peak (on CPU: above the model's own bytes), reserved bytes
     (CUDA), the phase of the peak, and the first step's seconds beyond the second's (what runs
     once: a compiled forward's compilation, the optimizer state's creation)."""
@@ -200,7 +214,7 @@ def _timed_steps(run: PlannedSteps, dev: torch.device, *, first: int, warmup: in
     return times
 
 
-def _measured(config: TrainConfig, dev: torch.device, facts: dict[str, Any], *, peak: int, reserved: int | None,
+def _measured(config: TrainConfig, dev: torch.device, facts: _ModelFacts, *, peak: int, reserved: int | None,
               peak_phase: str, budget_bytes: int | None, step_time: float | None,
               more_notes: list[str]) -> Estimate:
     cuda = dev.type == "cuda"
@@ -222,16 +236,15 @@ def _measured(config: TrainConfig, dev: torch.device, facts: dict[str, Any], *, 
     )
 
 
-def _cpu_peak(prof: Any) -> tuple[int, str]:
+def _cpu_peak(prof: profile) -> tuple[int, str]:
     """Highest running sum of the profiler's allocation events, and the phase it falls in."""
-    from torch._C._profiler import _EventType
-
     events: list[tuple[int, int, str]] = []
-    stack: list[tuple[Any, str]] = [(n, "") for n in prof.profiler.kineto_results.experimental_event_tree()]
+    stack = [(n, "") for n in event_tree(prof)]
     while stack:
         node, phase = stack.pop()
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, phase))
+        size = allocated_bytes(node)
+        if size is not None:
+            events.append((node.start_time_ns, size, phase))
         elif node.name.startswith(_PHASE_PREFIX):
             phase = node.name[len(_PHASE_PREFIX):]
         stack.extend((child, phase) for child in node.children)

@@ -19,9 +19,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, TypedDict, cast
 
 from .._errors import ProbeError
+from ._messages import Reply, Request
 from ._wire import ChildGone, Timeout, kill_group, read_msg, wait_fd, write_msg
 
 __all__ = ["Child", "ChildGone", "Timeout", "prestart", "shutdown", "log_tail", "server_log"]
@@ -31,7 +32,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
 # --------------------------------------------------------------------------- the parent side
 
-def log_tail(log: Any, lines: int = 3) -> str:
+def log_tail(log: IO[bytes], lines: int = 3) -> str:
     """What a crashed process last said: faulthandler's "Fatal Python error" and the
     innermost frame when there is one, else its last lines."""
     try:
@@ -66,6 +67,17 @@ _ZYGOTE_BOOT = (
     "import sys; sys.path.insert(0, {root!r}); "
     "from estimators.probing._child import _zygote_main; _zygote_main(int(sys.argv[1]))"
 )
+class _ServerReply(TypedDict, total=False):
+    """What the fork server answers (``_child._zygote_main``): ``ready`` once it runs, then
+    per request its ``id`` and a forked child's ``pid`` or a reaped child's exit ``code``."""
+
+    kind: str
+    id: int
+    pid: int
+    import_s: float
+    code: int | None
+
+
 _CHILD_BOOT = (
     "import sys; sys.path.insert(0, {root!r}); "
     "from estimators.probing._child import _child_entry; _child_entry(int(sys.argv[1]))"
@@ -109,7 +121,7 @@ class _Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def _recv(self, deadline: float | None, want: int | None = None) -> dict[str, Any]:
+    def _recv(self, deadline: float | None, want: int | None = None) -> _ServerReply:
         while True:
             if deadline is not None:
                 if not wait_fd(self.sock.fileno(), write=False, timeout=deadline - time.monotonic()):
@@ -120,13 +132,13 @@ class _Zygote:
                 raise ChildGone from exc
             if not data:
                 raise ChildGone
-            reply = pickle.loads(data)
+            reply: _ServerReply = pickle.loads(data)
             # A reply to an earlier request that timed out is skipped (a child forked for it
             # finds its socket closed and exits; the server reaps it when it stops).
             if want is None or reply.get("id") == want:
                 return reply
 
-    def _call(self, msg: dict[str, Any], fds: list[int], deadline: float | None) -> dict[str, Any]:
+    def _call(self, msg: dict[str, object], fds: list[int], deadline: float | None) -> _ServerReply:
         self._wait_ready(deadline)
         self.serial += 1
         msg = {**msg, "id": self.serial}
@@ -250,9 +262,9 @@ class Child:
             theirs.close()
         mine.setblocking(False)
 
-    def request(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def request(self, msg: Request, deadline: float) -> Reply:
         write_msg(self.sock.fileno(), msg, deadline)
-        return read_msg(self.sock.fileno(), deadline)
+        return cast(Reply, read_msg(self.sock.fileno(), deadline))  # as the child's _serve made it
 
     def kill(self) -> None:
         self.killed = True
@@ -285,6 +297,6 @@ class Child:
         self.log.close()
 
 
-def server_log() -> Any:
+def server_log() -> IO[bytes] | None:
     """The running probe server's log file (None when none runs)."""
     return _ZYGOTE.log if _ZYGOTE is not None else None

@@ -10,7 +10,6 @@ import select
 import signal
 import struct
 import time
-from typing import Any
 
 __all__ = ["Timeout", "ChildGone", "wait_fd", "write_msg", "read_msg", "kill_group"]
 
@@ -31,12 +30,12 @@ def wait_fd(fd: int, *, write: bool, timeout: float) -> bool:
     return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
-def _frame(obj: Any) -> bytes:
+def _frame(obj: object) -> bytes:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return struct.pack("<Q", len(data)) + data
 
 
-def write_msg(fd: int, obj: Any, deadline: float | None) -> None:
+def write_msg(fd: int, obj: object, deadline: float | None) -> None:
     view = memoryview(_frame(obj))
     while view:
         if deadline is not None:
@@ -76,7 +75,7 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def read_msg(fd: int, deadline: float | None) -> Any:
+def read_msg(fd: int, deadline: float | None) -> object:
     (size,) = struct.unpack("<Q", _read_exact(fd, 8, deadline))
     return pickle.loads(_read_exact(fd, size, deadline))
 
