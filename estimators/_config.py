@@ -137,7 +137,7 @@ class TrainConfig:
         return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
     def replace(self, **changes: Any) -> TrainConfig:
-        # Any field by name (callers pass changes built at run time); __post_init__ checks them.
+        # Fields by name (callers build the changes at run time); __post_init__ checks them.
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, int | str | bool]:
