@@ -7,8 +7,12 @@ Values stay strings until read here, so that a config file's keys (``_apply_conf
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, TypedDict
 
 from estimators import TrainConfig, normalize_precision, parse_count
+
+if TYPE_CHECKING:
+    from .training import LaunchSpec
 
 __all__ = ["add_common_args", "add_config_args", "config_from", "add_shape_policy", "add_search_args",
            "add_layout_args", "add_launch_args", "launch_spec", "layout_from", "search_kwargs", "add_train_args"]
@@ -85,7 +89,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--global-batch",
         default=None,
-        help="fix micro x accumulation (default: settings['global_batch'] of the model file)",
+        help="samples per optimizer step, micro x accumulation x ranks: a training hyper-parameter, "
+        "only how it is reached is searched (default: settings['global_batch'] of the model file, else 32)",
     )
     p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
     p.add_argument(
@@ -118,7 +123,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-backend", default="c10d", help="c10d (default) or static")
 
 
-def launch_spec(args: argparse.Namespace, nproc: int | None = None):
+def launch_spec(args: argparse.Namespace, nproc: int | None = None) -> LaunchSpec | None:
     """The launch asked for on the command line; None: none (the plan decides)."""
     from .training import LaunchSpec
 
@@ -152,8 +157,28 @@ def _names(text: str | None) -> list[str] | None:
     return [v.strip() for v in str(text).split(",") if v.strip()] if text is not None else None
 
 
-def search_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+class SearchKwargs(TypedDict):
+    """``search``'s keywords from the command line (``search_kwargs``)."""
+
+    precisions: list[str] | None
+    strategies: list[str] | None
+    checkpoint_segments: list[int] | None
+    micro_batch_sizes: list[int] | None
+    vram: str | None
+    gpu: str | None
+    device: str | None
+    global_batch: int | None
+    trials: int
+    probe_top: int
+    compile_top: int
+    seed: int
+    storage: str | None
+    shape_policy: str
+    host_memory: str | None
+
+
+def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
+    return SearchKwargs(
         precisions=_names(args.precision),
         strategies=_names(args.strategy),
         checkpoint_segments=_counts(args.checkpoint, "--checkpoint", minimum=0),

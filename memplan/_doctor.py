@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader, Subset
 
 from estimators import Task, load_task
 
-from ._problems import DoctorReport, Finding
+from ._problems import DoctorReport, Finding, Severity
+from .planning._space import DEFAULT_GLOBAL_BATCH
 
 __all__ = ["doctor", "CHECKS", "loader_finding"]
 
@@ -157,7 +158,7 @@ def check_data(task: Task, out: list[Finding], stats: dict[str, Any], *, items: 
 def _first_nonfinite_module(model: nn.Module, run: Callable[[], Any]) -> str | None:
     found: list[str] = []
 
-    def hook(name: str):
+    def hook(name: str) -> Callable[[nn.Module, Any, Any], None]:
         def fn(_m: nn.Module, _inp: Any, output: Any) -> None:
             if not found and any(
                 isinstance(t, torch.Tensor) and t.is_floating_point() and not _finite(t)
@@ -346,9 +347,10 @@ def check_overfit(
 
 
 def check_signal(task: Task, device: str, seed: int, steps: int, out: list[Finding], stats: dict[str, Any]) -> None:
+    data = task.dataset()
     n = task.dataset_size() or 0
     held = min(256, n // 4)
-    if held < 16:
+    if data is None or held < 16:
         return
     train_n, batch = n - held, 32
     held_batch = _to(task.real_batch(held, offset=train_n), device)
@@ -364,7 +366,6 @@ def check_signal(task: Task, device: str, seed: int, steps: int, out: list[Findi
     before = held_loss()
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(train_n, generator=g).tolist()
-    data = task.dataset()
 
     def batches(step: int) -> Any:
         idx = [order[(step * batch + i) % train_n] for i in range(batch)]
@@ -395,7 +396,7 @@ def loader_finding(load_s: float, step_s: float) -> Finding | None:
     """Input-bound when loading a batch takes as long as a training step on it. Below 10 ms a
     step, the loader's fixed cost per batch shows for any dataset: a note, not a problem."""
     if step_s > 0 and load_s >= step_s:
-        severity = "warning" if step_s >= _SMALL_STEP_S else "info"
+        severity: Severity = "warning" if step_s >= _SMALL_STEP_S else "info"
         return Finding(
             "loader",
             "input_bound",
@@ -408,9 +409,12 @@ def loader_finding(load_s: float, step_s: float) -> Finding | None:
 def check_loader(
     task: Task, model: nn.Module, device: str, out: list[Finding], stats: dict[str, Any], batches: int = 8
 ) -> None:
-    batch_size = int(task.settings.get("global_batch", 32))
+    batch_size = int(task.settings.get("global_batch", DEFAULT_GLOBAL_BATCH))
+    data = task.dataset()
+    if data is None:  # a task of sample batches only: no loader to time
+        return
     loader = DataLoader(
-        Subset(task.dataset(), range(min(task.dataset_size() or 0, batch_size * batches))),
+        Subset(data, range(min(task.dataset_size() or 0, batch_size * batches))),
         batch_size=batch_size,
         collate_fn=task.collate,
     )

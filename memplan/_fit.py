@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch.nn as nn
 
@@ -46,7 +46,9 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
     device = options.device if options.device else plan.device
     plan_path = Path(options.out_dir) / "plan.json"
     plan.save(plan_path)
-    options = replace(options, predicted_peak_bytes=plan.best.predicted.peak_bytes)
+    # The run's length, resolved once for every path (fit, train, memplan.fit): the options',
+    # else the model file's settings', else DEFAULT_EPOCHS.
+    options = replace(options.with_length(task.settings), predicted_peak_bytes=plan.best.predicted.peak_bytes)
     if compile is None and plan.compile and not options.compile:
         options = replace(options, compile=True)
     config = plan.config
@@ -187,7 +189,14 @@ def resumed_plan(out_dir: str | os.PathLike[str]) -> Plan | None:
     return Plan.load(path) if path.exists() else None
 
 
-def layout_kwargs(launch: LaunchSpec | None, *, gpus: int | None = None, nodes: int | None = None) -> dict[str, int]:
+class LayoutKwargs(TypedDict, total=False):
+    """``search``'s ``gpus`` and ``nodes``, when more than one device."""
+
+    gpus: int
+    nodes: int
+
+
+def layout_kwargs(launch: LaunchSpec | None, *, gpus: int | None = None, nodes: int | None = None) -> LayoutKwargs:
     """``search``'s ``gpus``/``nodes`` for a launch (devices per node, machines)."""
     gpus = gpus if gpus is not None else (launch.nproc_per_node if launch is not None else 1)
     nodes = nodes if nodes is not None else (launch.nnodes if launch is not None else 1)

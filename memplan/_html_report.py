@@ -94,7 +94,10 @@ def _plan_section(plan: Mapping[str, Any] | None, summary: Mapping[str, Any] | N
                 format_size(pred["peak_allocated_bytes"]),
                 format_size(meas["peak_allocated_bytes"]) if meas else "-",
                 f"{e['samples_per_s']:,.1f}",
-                e.get("probe_status") or ("measured" if meas else "predicted"),
+                # What the samples/s is (one basis for the plan: memplan.planning._plan.BASES);
+                # a plan file written before the basis was kept says measured or predicted.
+                (e.get("basis") or ("measured" if meas else "predicted"))
+                + (f" (probe {e['probe_status']})" if e.get("probe_status") not in (None, "ok") else ""),
             ]
         )
     target = plan.get("gpu") or plan.get("device")
@@ -114,7 +117,7 @@ def _plan_section(plan: Mapping[str, Any] | None, summary: Mapping[str, Any] | N
             "predicted peak",
             "measured peak",
             "samples/s",
-            "source",
+            "basis",
         ],
         rows,
         marked=0,

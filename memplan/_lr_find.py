@@ -37,6 +37,8 @@ from estimators import (
     parse_count,
 )
 
+from .planning._space import DEFAULT_GLOBAL_BATCH
+
 __all__ = ["LrFindResult", "lr_find", "suggest", "add_lr_find_arguments", "run_lr_find"]
 
 Rule = Literal["min/10", "steepest"]
@@ -98,7 +100,7 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
         raise ConfigError(f"lr-find: need 0 < --start-lr < --end-lr, got {start_lr} and {end_lr}")
     task = load_task(model) if isinstance(model, str) else model
     precision = normalize_precision(precision)
-    b = batch_size or int(task.settings.get("global_batch", 32))
+    b = batch_size or int(task.settings.get("global_batch", DEFAULT_GLOBAL_BATCH))
     n = task.dataset_size() or b
     torch.manual_seed(seed)
     net = task.build_model().to(device).train()
@@ -157,7 +159,7 @@ def plot_lr_find(result: LrFindResult, path: str | Path) -> Path:
 def add_lr_find_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model file (defines model(), train_data(), …)")
     p.add_argument("--plan", default=None, help="take the micro-batch size and precision from this plan.json")
-    p.add_argument("--batch-size", "-b", default=None, help="batch size (default: the plan's or settings['global_batch'])")
+    p.add_argument("--batch-size", "-b", default=None, help="batch size (default: the plan's or settings['global_batch'], else 32)")
     p.add_argument("--precision", default=None, help="fp32 (default) | bf16 | fp16")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--start-lr", default="1e-7", help="first learning rate (default 1e-7)")

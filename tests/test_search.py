@@ -50,8 +50,11 @@ def test_space_keeps_the_global_batch_fixed():
     assert space.micro_batch_sizes == (1, 2, 3, 4, 6, 8, 12, 24)
     assert all(c.global_batch == 24 for c in space)
     assert space.checkpoint_segments == (0, 1, 2)
-    free = build_space(dataset_size=100, global_batch=None, precisions=("fp32",), max_segments=0)
-    assert free.micro_batch_sizes == (1, 2, 4, 8, 16, 32, 64)  # capped by the dataset
+    # The global batch is a training hyper-parameter: the space never searches it (search()
+    # fixes 32 when nobody gives one; tests/test_fit_defaults.py), only how it is reached.
+    from estimators import ConfigError
+    with pytest.raises(ConfigError, match="--global-batch must be a whole number"):
+        build_space(dataset_size=100, global_batch=None, precisions=("fp32",), max_segments=0)
 
 
 def test_plan_respects_budget_margin_and_global_batch(tmp_path):
@@ -361,12 +364,16 @@ def test_probes_overturning_the_prediction_are_confirmed():
     first, second = calls[0], calls[1]
     assert calls[2:] == [second, first]  # the overturning pair, probed again
     by_config = {e.config: e for e in plan.entries}
-    assert "mean of two probes" in by_config[second].measured.notes[-1]
+    assert any("mean of two probes" in n for n in by_config[second].measured.notes)
     assert any("ahead of the predicted best" in n for n in plan.notes)
     # The second's two probes lie 3x apart, further than any lead on the means: the probes
-    # cannot tell the two apart, and the prediction's order is kept.
+    # cannot tell the two apart, and the prediction's order is kept; the figure shown for the
+    # second is then the first's times the prediction's ratio, not its faster mean.
     assert plan.best.config == first
     assert any("the predicted order is kept" in n for n in plan.notes)
+    assert by_config[second].source == "predicted" and by_config[second].samples_per_s <= plan.best.samples_per_s
+    speeds = [e.samples_per_s for e in plan.entries]
+    assert speeds == sorted(speeds, reverse=True)
 
     # A lead both probes agree on stands.
     calls.clear()
@@ -468,10 +475,12 @@ def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
     assert f"raced step against step with {second.describe()}" in plan.best.measured.notes[-1]
     by_config = {e.config: e for e in plan.entries}
     assert by_config[first].measured is None and by_config[second].measured is None
-    # The raced losers show the race's times (first: 0.5 s against second; second: 0.4 s
-    # against third), not the time model's.
-    assert by_config[first].predicted.step_time_s == pytest.approx(0.5) and by_config[first].source == "raced"
-    assert by_config[second].predicted.step_time_s == pytest.approx(0.4) and by_config[second].source == "raced"
+    # The raced losers show the races' ratios on the winner's measured time, not their own
+    # medians (second's 0.4 s came from its race against first, at another moment than
+    # third's): second is 1.25x slower than third, first 1.25x slower than second.
+    assert by_config[second].predicted.step_time_s == pytest.approx(0.5) and by_config[second].source == "raced"
+    assert by_config[first].predicted.step_time_s == pytest.approx(0.625) and by_config[first].source == "raced"
+    assert "0.80x the speed of" in by_config[second].predicted.notes[-1]
     assert "raced" in plan.table()
     assert any("faster than the predicted best" in n and "in 3 of 4 rounds (by 25% on the median): it goes above the "
                "predicted best" in n for n in plan.notes)
@@ -584,14 +593,34 @@ def test_after_a_race_memory_failures_and_a_larger_probe_top():
     from dataclasses import replace
     kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, precisions=["fp32"])
     first_wins = ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))
-    # probe_top=3: the race measures two, and the next configuration is probed in full.
+    # probe_top=3: the race measures two, and the next configuration races the measured best
+    # (a probe of its own, in another process at another moment, would not compare with the
+    # race's figures). It loses: its figure is the best's times the race's ratio, and its
+    # memory is not probed.
     calls: list[TrainConfig] = []
     races: list = []
     plan = search(lm(), **kwargs, probe_top=3, probe_fn=_measured_probe(calls, {}),
-                  race_fn=_race_sequence(races, [first_wins]))
-    (first, second), = races
-    assert calls[0] == first and len(calls) == 2 and calls[1] not in (first, second)
-    assert [e.config for e in plan.entries if e.measured is not None] in ([first, calls[1]], [calls[1], first])
+                  race_fn=_race_sequence(races, [first_wins, first_wins]))
+    (first, second), (again, third) = races
+    assert again == first and third not in (first, second) and calls == [first]
+    by_config = {e.config: e for e in plan.entries}
+    assert plan.best.config == first and by_config[third].source == "raced"
+    assert by_config[third].predicted.step_time_s == pytest.approx(0.5)
+    assert any(f"{third.describe()} raced the measured best ({first.describe()}) and was not faster" in n
+               for n in plan.notes)
+    # It wins: its memory is probed, it is the measured best, and the others' figures are
+    # taken from its time (first 1.25x slower, second 1.25x slower than first).
+    calls.clear()
+    races.clear()
+    plan = search(lm(), **kwargs, probe_top=3, probe_fn=_measured_probe(calls, {}),
+                  race_fn=_race_sequence(races, [first_wins, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))]))
+    (first, second), (_, third) = races
+    assert calls == [first, third] and plan.best.config == third and plan.best.source == "measured"
+    by_config = {e.config: e for e in plan.entries}
+    assert by_config[first].source == "raced" and by_config[first].measured.step_time_s == pytest.approx(0.5)
+    assert by_config[second].predicted.step_time_s == pytest.approx(0.625)
+    speeds = [e.samples_per_s for e in plan.entries]
+    assert speeds == sorted(speeds, reverse=True)
 
     # Both raced configurations run out of memory: the next two are probed in full instead.
     calls.clear()

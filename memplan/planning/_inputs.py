@@ -55,7 +55,7 @@ def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any =
             f"{', '.join(['sample', *parts])} go with an nn.Module; a model file defines its own "
             "(loss(), optimizer(), train_data(), ...)"
         )
-    return load_task(model)
+    return load_task(os.fspath(model))
 
 
 def default_budget(estimator: Estimator) -> tuple[int, str]:

@@ -23,12 +23,25 @@ from estimators import ConfigError, Estimate, TrainConfig, format_size
 
 from .._version import __version__
 
-__all__ = ["PlanEntry", "Plan", "provenance", "needed_bytes", "RACED_NOTE"]
+__all__ = ["PlanEntry", "Plan", "provenance", "needed_bytes", "RACED_NOTE", "ANCHORED_NOTE", "BASES"]
 
 PLAN_FORMAT = 1
 
 RACED_NOTE = "time: median of"
 """How an estimate's note begins when its step time was measured by a race, not predicted."""
+
+ANCHORED_NOTE = "time: the time model's"
+"""How a prediction's note begins when its time is scaled to the measured best's."""
+
+BASES = {
+    "measured": "{anchor}'s own measured step ({how}), its memory probed: the figure the rows are compared to",
+    "raced": "{anchor}'s figure times the speed ratio its races measured (median of the rounds, step against step "
+             "in one process)",
+    "probed": "a probe of a few steps in its own process",
+    "predicted": "the time model's prediction",
+    "modelled": "the CUDA time model's prediction",
+}
+"""What a row's samples/s is, by its ``basis`` (the table's legend)."""
 
 
 def needed_bytes(estimate: Estimate) -> int:
@@ -51,6 +64,9 @@ class PlanEntry:
     measured: Estimate | None = None
     probe_status: str | None = None
     """ok | oom | error | timeout, when a probe ran."""
+    basis: str | None = None
+    """What the entry's time figure is, on the plan's one basis (``BASES``); None: from the
+    estimates (a plan ranked by prediction, or written before the field)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -65,8 +81,12 @@ class PlanEntry:
 
     @property
     def source(self) -> str:
-        """Where the figures come from: measured (a probe; its time may be a race's), raced
-        (time from a race, memory predicted), modelled (a CUDA prediction) or predicted."""
+        """What the time figure is (``BASES``): measured (the figure the others are taken
+        from: a race's median step, its memory probed), raced (that figure times the races'
+        ratios), probed (a probe in its own process), modelled (a CUDA prediction) or
+        predicted."""
+        if self.basis is not None:
+            return self.basis
         if self.measured is not None:
             return "measured"
         if any(n.startswith(RACED_NOTE) for n in self.predicted.notes):
@@ -79,6 +99,7 @@ class PlanEntry:
             "predicted": self.predicted.to_dict(),
             "measured": self.measured.to_dict() if self.measured else None,
             "probe_status": self.probe_status,
+            "basis": self.basis,
             "peak_bytes": self.peak_bytes,
             "samples_per_s": self.samples_per_s,
         }
@@ -90,6 +111,7 @@ class PlanEntry:
             predicted=Estimate.from_dict(data["predicted"]),
             measured=Estimate.from_dict(data["measured"]) if data.get("measured") else None,
             probe_status=data.get("probe_status"),
+            basis=data.get("basis"),  # absent from older plan files
         )
 
 
@@ -257,6 +279,7 @@ class Plan:
     # -- display -----------------------------------------------------------------------
     def table(self, limit: int = 10) -> str:
         rows = []
+        best = self.best.samples_per_s
         for rank, e in enumerate(self.entries[:limit], 1):
             c = e.config
             rows.append(
@@ -271,7 +294,8 @@ class Plan:
                     f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
                     _offloads(e),
                     format_size(e.peak_bytes),
-                    f"{e.samples_per_s:,.1f}",
+                    e.samples_per_s,
+                    e.samples_per_s / best if best > 0 else "-",
                     e.source,
                 ]
             )
@@ -293,11 +317,52 @@ class Plan:
                 "techniques",
                 "peak",
                 "samples/s",
-                "source",
+                "vs #1",
+                "basis",
             ],
             tablefmt="simple",
+            floatfmt=("g",) * 8 + (",.1f", ".2f"),
         )
-        return "\n".join([head, table, *self._compile_line(), *(f"note: {n}" for n in self.notes)])
+        return "\n".join([head, table, *self._basis_lines(limit), *self._compile_line(),
+                          *(f"note: {n}" for n in self.notes)])
+
+    def _basis_lines(self, limit: int) -> list[str]:
+        """The legend of the samples/s column: what each basis shown is, from which row."""
+        shown = self.entries[:limit]
+        found = {e.source for e in shown}
+        anchor = next((i for i, e in enumerate(self.entries, 1) if e.source == "measured"), None)
+        if anchor is None:
+            anchor = next((i for i, e in enumerate(self.entries, 1) if e.source == "probed"), None)
+        lines = []
+        for basis in BASES:
+            if basis not in found:
+                continue
+            if basis == "predicted" and anchor is not None and any(
+                    e.source == "predicted" and any(n.startswith(ANCHORED_NOTE) for n in e.predicted.notes)
+                    for e in shown):
+                what = (f"the time model (refitted by the measurements) scaled so that #{anchor}'s prediction is "
+                        f"its measured figure")
+            else:
+                what = BASES[basis].format(anchor=f"#{anchor}", how=self._measured_how(anchor))
+            lines.append(f"  {basis}: {what}")
+        if not lines:
+            return []
+        return ["samples/s, on one basis (vs #1: the ratio to row 1's):", *lines]
+
+    def _measured_how(self, rank: int | None) -> str:
+        """How row ``rank``'s time was measured, in a few words."""
+        if rank is None:
+            return "-"
+        e = self.entries[rank - 1]
+        notes = e.measured.notes if e.measured is not None else e.predicted.notes
+        if any(n.startswith("torch.compile: the compiled step") for n in notes):
+            return ("compiled: its eager figure times the median ratio of eager against compiled raced in one "
+                    "process; the other rows are eager")
+        raced = next((n for n in notes if n.startswith(RACED_NOTE) and "raced step against step" in n), None)
+        if raced is not None:
+            rounds = raced[len(RACED_NOTE):].split()[0]
+            return f"median of {rounds} steps raced step against step in one process"
+        return "a probe in its own process"
 
     def _compile_line(self) -> list[str]:
         """The table's line on torch.compile (the figures are in the notes)."""

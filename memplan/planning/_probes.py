@@ -1,10 +1,10 @@
 """Confirming the predicted best by probes: a few real steps of each in its own process.
 
-The two best are raced (``._races``) when a race can run; otherwise, and for any further
-``probe_top``, each is probed (a few timed steps and its memory), in an order that spends
-probes on configurations the estimator tells apart. Measured times refit the time model, an
-OOM drops the configuration, a step that raises joins the failures; separate probes that
-overturn the predicted order are checked by probing both again.
+The two best are raced (``._races``) when a race can run, and any further ``probe_top``
+raced against the measured best; otherwise each is probed (a few timed steps and its memory),
+in an order that spends probes on configurations the estimator tells apart. Measured times
+refit the time model, an OOM drops the configuration, a step that raises joins the failures;
+separate probes that overturn the predicted order are checked by probing both again.
 """
 
 from __future__ import annotations
@@ -15,10 +15,15 @@ from typing import Any
 from estimators import Estimate, Estimator, Task, TrainConfig, format_size, probe, race
 
 from ._plan import PlanEntry, needed_bytes
-from ._races import ProbeFn, RaceFn, fit_together, race_best
+from ._races import ProbeFn, RaceFn, RaceLog, fit_together, race_best, race_challenger
 from ._ranking import rank_measured
 
 __all__ = ["probe_best"]
+
+
+# How many unmeasured configurations the refitted time model may put above the measured best
+# before the plan stops racing them (each race costs seconds; more is rarely seen).
+_CHALLENGES = 2
 
 
 def probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: int, limit: int,
@@ -27,8 +32,12 @@ def probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: 
     """Measure the best ``top`` feasible configurations; re-rank with what was measured.
 
     The two best are raced (``race_best``) when a race can run: their times come from the
-    race, and only the one it puts first has its memory probed. Otherwise, and for any
-    further ``top``, each is probed (a few timed steps and its memory) in its own process.
+    race, and only the one it puts first has its memory probed; each further ``top`` is raced
+    against the measured best (``race_challenger``). Otherwise each is probed (a few timed
+    steps and its memory) in its own process. Every figure is then on one basis
+    (``rank_measured``); an unmeasured configuration the refitted time model puts above the
+    measured best is raced (or, without races, probed) before the plan believes it, up to
+    ``_CHALLENGES`` of them.
     """
     probe_fn, memory_fn, race_fn = _probe_fns(estimator, probe_fn, race_fn)
     notes: list[str] = []
@@ -36,19 +45,63 @@ def probe_best(task: Task, estimator: Estimator, entries: list[PlanEntry], top: 
     rest = _probe_order(entries)
     wanted = top
     raced: list[PlanEntry] | None = None  # raced, left unmeasured (not probed again)
+    log = RaceLog()
     if top >= 2 and race_fn is not None and len(rest) >= 2 and fit_together(estimator.device, rest[0], rest[1]):
-        outcome = race_best(task, estimator, rest, limit, memory_fn, race_fn, notes, failed)
+        outcome = race_best(task, estimator, rest, limit, memory_fn, race_fn, notes, failed, log)
         if outcome is not None:
             probed, raced, rest = outcome
             # The race measured two. Should both be dropped, the next are probed in their place;
             # a memory probe that failed (not for lack of memory) stops the probing, as below.
             failed_probe = any(e.probe_status is not None for e in raced)
             wanted = top - 2 + len(probed) if probed or failed_probe else top
-    _probe_in_turn(task, estimator, rest, probed, wanted, limit, probe_fn, notes, failed)
+    racing = race_fn is not None and raced is not None and len(probed) == 1
+    if racing:
+        assert race_fn is not None and raced is not None
+        # Further configurations race the measured best: a probe of its own, in another
+        # process at another moment, would not compare with the races' figures.
+        for _ in range(wanted - 1):
+            if not rest:
+                break
+            candidate = rest.pop(0)
+            outcome_ = race_challenger(task, estimator, probed[0], candidate, raced, log, limit, memory_fn,
+                                       race_fn, notes, failed)
+            if outcome_ is None:
+                rest.insert(0, candidate)
+                break
+            best, raced = outcome_
+            probed = [best]
+    else:
+        _probe_in_turn(task, estimator, rest, probed, wanted, limit, probe_fn, notes, failed)
     kept: tuple[TrainConfig, TrainConfig] | None = None
     if len(probed) >= 2 and raced is None:
         probed, kept = _confirm_overturn(task, estimator, probed, limit, probe_fn, notes)
-    return rank_measured(estimator, probed, raced or [], rest, kept), notes
+    ranked = rank_measured(estimator, probed, raced or [], rest, kept)
+    for _ in range(_CHALLENGES):
+        leader = ranked[0]
+        best_measured = next((e for e in ranked if e.source in ("measured", "probed")), None)
+        if best_measured is None or leader.source != "predicted" or leader.probe_status is not None:
+            break
+        notes.append(f"the time model, refitted by the measurements, put {leader.config.describe()} above the "
+                     f"measured best ({best_measured.config.describe()}): it is measured too")
+        rest = [e for e in rest if e.config != leader.config]
+        candidate = next(e for e in entries if e.config == leader.config)
+        if racing:
+            assert race_fn is not None and raced is not None
+            outcome_ = race_challenger(task, estimator, probed[0], candidate, raced, log, limit, memory_fn,
+                                       race_fn, notes, failed)
+            if outcome_ is None:  # the race did not run: the prediction stands, as the note says
+                rest.insert(0, candidate)
+                ranked = rank_measured(estimator, probed, raced, rest, kept)
+                break
+            best, raced = outcome_
+            probed = [best]
+        else:
+            before = len(probed)
+            queue = [candidate]
+            _probe_in_turn(task, estimator, queue, probed, before + 1, limit, probe_fn, notes, failed)
+            rest = queue + rest
+        ranked = rank_measured(estimator, probed, raced or [], rest, kept)
+    return ranked, notes
 
 
 def _probe_fns(estimator: Estimator, probe_fn: ProbeFn | None,

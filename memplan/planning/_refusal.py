@@ -133,7 +133,7 @@ def techniques_used(config: TrainConfig, *, states_only: bool = False) -> str:
     """The memory-saving techniques of ``config`` in words ("bf16-true, full checkpointing and
     CPU offload"), for refusals; empty when it uses none. ``states_only``: only those that
     change what the model's states need (not checkpointing)."""
-    used = []
+    used: list[str] = []
     if weight_dtype(config.precision) is not None:
         used.append(config.precision)
     if config.checkpoint_segments and not states_only:

@@ -75,10 +75,14 @@ def search(
     optionally ``loss(model, batch) -> Tensor`` and ``optimizer(parameters) -> Optimizer``.
     ``vram`` is the memory budget (``"12GB"``, ``"12GiB"`` or bytes); by default the free
     memory of the local GPU, the card's memory for ``gpu=``, or half the available RAM on CPU.
-    ``margin`` is the share of the budget kept free. ``probe_top`` configurations are measured
+    ``margin`` is the share of the budget kept free. ``global_batch`` (else the model file's
+    ``settings["global_batch"]``, else ``DEFAULT_GLOBAL_BATCH``, 32: a training
+    hyper-parameter, not a memory setting) is fixed; the search chooses how it is reached
+    (micro-batch x accumulation x ranks). ``probe_top`` configurations are measured
     with real steps when the target is the device at hand (not for a ``gpu=`` card that is
     absent): from two on, the two best are raced against each other and the winner's memory
-    is probed. Raises :class:`NoFeasiblePlanError` when nothing fits. Then ``compile_top``
+    is probed, and each further one races the measured best; every samples/s of the plan is on
+    one basis, the measured best's (``Plan.table`` names each row's). Raises :class:`NoFeasiblePlanError` when nothing fits. Then ``compile_top``
     of the best (0: none) are probed compiled: ``plan.compile`` says whether torch.compile was
     measured faster (``._compile``).
 
@@ -119,6 +123,7 @@ def search(
     budget = budget_for(estimator, vram)
     limit = int(budget * (1 - margin))
     blocks_model = meta_model(task)
+    notes: list[str] = []
     space = space_for(
         task,
         estimator,
@@ -129,6 +134,7 @@ def search(
         layouts=layouts_for(gpus, nodes, tuple(strategies) if strategies else None),
         micro_batch_sizes=micro_batch_sizes,
         checkpoint_segments=checkpoint_segments,
+        notes=notes,
     )
     # The bound of the most frugal space the search may widen to: nothing it could try fits.
     frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None)
@@ -157,7 +163,6 @@ def search(
         floor=floor,
         host_limit=host_limit,
     )
-    notes: list[str] = []
     objective, mirrored, interrupted, wider = _study_then_widen(task, estimator, space, frugal, limit, study, notes)
     estimates, failed = objective.results()
     feasible = [e for e in estimates if objective.fits(e)]
@@ -195,7 +200,7 @@ def search(
     if plot is not None:
         from .._plots import record_plan_plot
 
-        record_plan_plot(plan, estimates, plot, mirrored.persistent)
+        record_plan_plot(plan, estimates, os.fspath(plot), mirrored.persistent)
     return plan
 
 

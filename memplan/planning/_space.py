@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import SupportsIndex
 
 import torch.nn as nn
 
@@ -30,6 +32,8 @@ __all__ = [
     "optimizer_in_backward_excluded",
     "frugal_space",
     "build_space",
+    "DEFAULT_GLOBAL_BATCH",
+    "default_global_batch",
     "layouts_for",
     "layout_key",
     "space_for",
@@ -37,6 +41,12 @@ __all__ = [
 
 MAX_KERNEL_BATCH = 65535
 """Some kernels (cuDNN grid dimensions, for one) refuse batch dimensions above this."""
+
+DEFAULT_GLOBAL_BATCH = 32
+"""The global batch (micro-batch x accumulation x ranks) when nobody fixes one: the global
+batch is a training hyper-parameter, not a memory setting, and a search that maximises
+samples/s would grow a free one to whatever fits (1,024 of 1,400 items: two optimizer steps
+an epoch). 32 is the conventional default (PyTorch Lightning's and Keras's batch size)."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +102,8 @@ class SearchSpace:
     micro_batch_sizes: tuple[int, ...]
     precisions: tuple[Precision, ...]
     checkpoint_segments: tuple[int, ...]
-    global_batch: int | None
-    """Fixed global batch (micro × accumulation × world); None means the batch is searched."""
+    global_batch: int
+    """The global batch (micro × accumulation × world), fixed: only how it is reached is searched."""
     layouts: tuple[Layout, ...] = (Layout(),)
     """Strategies × world sizes searched; every micro-batch size is valid for each of them."""
     grouping: tuple[bool, ...] = (False,)
@@ -106,8 +116,6 @@ class SearchSpace:
         return max(layout.world_size for layout in self.layouts)
 
     def accum_for(self, micro: int, world_size: int = 1) -> int:
-        if self.global_batch is None:
-            return 1  # accumulation only repeats work when the global batch is free
         return self.global_batch // (micro * world_size)
 
     def layout(self, key: str) -> Layout:
@@ -136,7 +144,7 @@ class SearchSpace:
         config = TrainConfig(
             micro_batch_size=micro,
             grad_accum_steps=self.accum_for(micro, layout.world_size),
-            precision=precision,
+            precision=normalize_precision(precision),  # a study's parameter: a string
             checkpoint_segments=segments,
             strategy=layout.strategy,
             world_size=layout.world_size,
@@ -195,6 +203,39 @@ class SearchSpace:
         return list(out.items())
 
 
+def default_global_batch(dataset_size: int | None, world_size: int = 1) -> tuple[int, str]:
+    """The global batch when none is given (``DEFAULT_GLOBAL_BATCH``), and the plan's note on
+    it: no larger than the training set, and a multiple of the data-parallel ranks (each takes
+    an equal share; the nearest multiple otherwise, said in the note)."""
+    value = DEFAULT_GLOBAL_BATCH
+    why: list[str] = []
+    if dataset_size and value > dataset_size:
+        value = dataset_size
+        why.append(f"clipped to the training set's {dataset_size} items")
+    if value % world_size:
+        nearest = max(world_size, round(value / world_size) * world_size)
+        if dataset_size and nearest > dataset_size:
+            nearest = max(world_size, dataset_size // world_size * world_size)
+        value = nearest
+        why.append(f"rounded to a multiple of the {world_size} processes, one share each")
+    fix = "set --global-batch or settings['global_batch'] to change it"
+    if not why:
+        return value, f"global batch {value} (the default; {fix})"
+    return value, f"global batch {value} (the default {DEFAULT_GLOBAL_BATCH}, {' and '.join(why)}; {fix})"
+
+
+def _whole(value: object, what: str) -> int:
+    """``value`` as a whole number (a numpy integer, ``"64"`` or ``64.0`` too), else a one-line error."""
+    if not isinstance(value, bool):
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, SupportsIndex):  # int, numpy's integers
+            return operator.index(value)
+    raise ConfigError(f"{what} must be a whole number, got {value!r}")
+
+
 def _powers_of_two(limit: int) -> list[int]:
     out, v = [], 1
     while v <= limit:
@@ -212,7 +253,7 @@ def _segment_choices(max_segments: int) -> tuple[int, ...]:
 def build_space(
     *,
     dataset_size: int | None,
-    global_batch: int | None,
+    global_batch: int,
     precisions: tuple[Precision, ...],
     max_segments: int,
     max_micro_batch: int | None = None,
@@ -223,49 +264,38 @@ def build_space(
 ) -> SearchSpace:
     """The space; ``micro_batch_sizes`` and ``checkpoint_segments`` pin or restrict those axes
     (each value must be one the space could hold: a divisor of the per-rank global batch, a
-    segment count up to the model's blocks)."""
+    segment count up to the model's blocks). The global batch is fixed (``space_for`` gives
+    ``DEFAULT_GLOBAL_BATCH`` when nobody did): only how it is reached is searched."""
     world_size = max(layout.world_size for layout in layouts)
     limit = MAX_KERNEL_BATCH
     if dataset_size:
         limit = min(limit, dataset_size)
     if max_micro_batch:
         limit = min(limit, max_micro_batch)
-    if global_batch is not None:
-        if global_batch < 1:
-            raise ConfigError(f"--global-batch must be >= 1, got {global_batch}")
-        if dataset_size and global_batch > dataset_size:
-            # Not one optimizer step would see a full batch: every epoch would train on nothing.
-            raise ConfigError(
-                f"global batch {global_batch} is larger than the training set ({dataset_size} items); "
-                f"use --global-batch {dataset_size} or less"
-            )
-        per_rank, rem = divmod(global_batch, world_size)
-        if rem:
-            raise ConfigError(
-                f"global batch {global_batch} does not divide over {world_size} processes; pick a multiple of {world_size}"
-            )
-        micros = [d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0]
-    else:
-        micros = _powers_of_two(limit)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"--global-batch must be a whole number >= 1, got {global_batch!r}")
+    if dataset_size and global_batch > dataset_size:
+        # Not one optimizer step would see a full batch: every epoch would train on nothing.
+        raise ConfigError(
+            f"global batch {global_batch} is larger than the training set ({dataset_size} items); "
+            f"use --global-batch {dataset_size} or less"
+        )
+    per_rank, rem = divmod(global_batch, world_size)
+    if rem:
+        raise ConfigError(
+            f"global batch {global_batch} does not divide over {world_size} processes; pick a multiple of {world_size}"
+        )
+    micros = [d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0]
     if not micros:
         raise ConfigError("no micro-batch size fits the dataset; check train_data() and --global-batch")
     segments = _segment_choices(max_segments)
     if micro_batch_sizes is not None:
-        if global_batch is not None:
-            per_rank = global_batch // world_size
-            bad = [m for m in micro_batch_sizes if m < 1 or per_rank % m or m > limit]
-            if bad:
-                raise ConfigError(
-                    f"--micro-batch {','.join(map(str, bad))} does not divide the per-device global "
-                    f"batch {per_rank}; choose from {','.join(map(str, micros))}"
-                )
-        else:
-            bad = [m for m in micro_batch_sizes if m < 1 or m > limit]
-            if bad:
-                raise ConfigError(
-                    f"--micro-batch {','.join(map(str, bad))} is outside 1..{limit} (the dataset size "
-                    "and the kernels' batch limit)"
-                )
+        bad = [m for m in micro_batch_sizes if m < 1 or per_rank % m or m > limit]
+        if bad:
+            raise ConfigError(
+                f"--micro-batch {','.join(map(str, bad))} does not divide the per-device global "
+                f"batch {per_rank}; choose from {','.join(map(str, micros))}"
+            )
         micros = sorted(set(micro_batch_sizes))
     if checkpoint_segments is not None:
         bad = [c for c in checkpoint_segments if not 0 <= c <= max_segments]
@@ -278,7 +308,10 @@ def build_space(
     return SearchSpace(tuple(micros), precisions, segments, global_batch, layouts, grouping)
 
 
-def layouts_for(gpus: int = 1, nodes: int = 1, strategies: tuple[Strategy, ...] | None = None) -> tuple[Layout, ...]:
+_STRATEGIES: dict[str, Strategy] = {"single": "single", "ddp": "ddp", "fsdp": "fsdp"}
+
+
+def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None = None) -> tuple[Layout, ...]:
     """The layouts searched for ``gpus`` devices per node on ``nodes`` machines.
 
     One device: single-device training. More: DDP and FSDP2 over all of them — a plan for
@@ -291,10 +324,11 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: tuple[Strategy, ...] 
             raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
     world = gpus * nodes
     wanted = strategies or (("single",) if world == 1 else ("ddp", "fsdp"))
-    out = []
-    for strategy in wanted:
-        if strategy not in ("single", "ddp", "fsdp"):
-            raise ConfigError(f"unknown strategy {strategy!r}; use single, ddp or fsdp")
+    out: list[Layout] = []
+    for name in wanted:
+        strategy = _STRATEGIES.get(name)
+        if strategy is None:
+            raise ConfigError(f"unknown strategy {name!r}; use single, ddp or fsdp")
         if strategy == "single":
             if world > 1:
                 raise ConfigError(f"strategy single runs on one device, but {world} were asked for; use ddp or fsdp")
@@ -350,14 +384,22 @@ def space_for(
     layouts: tuple[Layout, ...],
     micro_batch_sizes: Sequence[int] | None,
     checkpoint_segments: Sequence[int] | None,
+    notes: list[str] | None = None,
 ) -> SearchSpace:
     """The space of ``task`` on the estimator's target: the user's pins and restrictions, the
-    model file's ``settings["global_batch"]`` when no global batch is given, the precisions the
-    device runs well, and the checkpoint segments ``blocks_model`` (built on meta) has."""
+    global batch (``global_batch``, else the model file's ``settings["global_batch"]``, else
+    ``DEFAULT_GLOBAL_BATCH``, which ``notes`` then names), the precisions the device runs well,
+    and the checkpoint segments ``blocks_model`` (built on meta) has."""
+    dataset_size = task.dataset_size() if task.train_data is not None else None
     fixed_batch = global_batch if global_batch is not None else task.settings.get("global_batch")
+    if fixed_batch is None:
+        fixed_batch, note = default_global_batch(dataset_size, max(layout.world_size for layout in layouts))
+        if notes is not None:
+            notes.append(note)
     return build_space(
-        dataset_size=task.dataset_size() if task.train_data is not None else None,
-        global_batch=int(fixed_batch) if fixed_batch is not None else None,
+        dataset_size=dataset_size,
+        global_batch=_whole(fixed_batch, "--global-batch" if global_batch is not None else
+                            f"settings['global_batch'] of {task.name}"),
         precisions=_precisions(estimator, precisions),
         max_segments=max_checkpoint_segments(blocks_model, task.checkpoint_blocks),
         max_micro_batch=max_micro_batch,

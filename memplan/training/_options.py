@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +19,12 @@ from estimators import ConfigError, StepOptions
 
 from .._schedules import SCHEDULE_ARGS, SCHEDULES, ScheduleName
 
-__all__ = ["TrainOptions"]
+__all__ = ["TrainOptions", "DEFAULT_EPOCHS"]
+
+DEFAULT_EPOCHS = 3
+"""Passes over the training data when nothing sets a training length (no ``epochs`` or
+``max_steps`` in the options, the config file or the model file's settings): the Hugging Face
+Trainer's ``num_train_epochs``, a length that trains, where one pass rarely does."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,7 +33,8 @@ class TrainOptions:
 
     epochs: int | None = None
     """Passes over the training data. With neither ``epochs`` nor ``max_steps``, the model
-    file's ``settings["epochs"]``/``settings["max_steps"]`` are used, else one epoch."""
+    file's ``settings["epochs"]``/``settings["max_steps"]`` are used, else ``DEFAULT_EPOCHS``
+    (3, the Hugging Face Trainer's default); ``training_length`` resolves it."""
     max_steps: int | None = None
     """Optimizer steps. With ``epochs`` too, whichever comes first ends the run."""
     lr: float | None = None
@@ -196,6 +202,25 @@ class TrainOptions:
             raise ConfigError(f"TrainOptions.device {self.device!r} is not a device; use 'cpu' or 'cuda'") from None
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"TrainOptions.device {self.device!r}: the trainer runs on 'cpu' or 'cuda'")
+
+    def training_length(self, settings: Mapping[str, Any]) -> tuple[int | None, int | None]:
+        """(epochs, max_steps) of the run: these options', else the model file's ``settings``'
+        (``epochs``/``max_steps``), else ``DEFAULT_EPOCHS`` epochs; with both, whichever comes
+        first ends the run."""
+        if self.epochs is not None or self.max_steps is not None:
+            return self.epochs, self.max_steps
+        epochs, max_steps = settings.get("epochs"), settings.get("max_steps")
+        if epochs is None and max_steps is None:
+            return DEFAULT_EPOCHS, None
+        return (None if epochs is None else int(epochs)), (None if max_steps is None else int(max_steps))
+
+    def with_length(self, settings: Mapping[str, Any]) -> TrainOptions:
+        """These options with the run's length set (``training_length``), so that whatever
+        trains them trains as long."""
+        epochs, max_steps = self.training_length(settings)
+        if (epochs, max_steps) == (self.epochs, self.max_steps):
+            return self
+        return replace(self, epochs=epochs, max_steps=max_steps)
 
     @property
     def clip_mode(self) -> Literal["norm", "value", "off"]:
