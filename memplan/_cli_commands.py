@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from estimators import Estimator, load_task, parse_count
+from estimators import Estimator, Task, load_task, parse_count
 
 from ._cli_args import (
     add_common_args,
@@ -26,6 +27,10 @@ from ._cli_args import (
     search_kwargs,
 )
 from ._report import estimate_table
+
+if TYPE_CHECKING:
+    from .planning import Plan
+    from .training import TrainOptions, TrainResult
 
 __all__ = ["EstimateCommand", "ProbeCommand", "PlanCommand", "FitCommand", "TrainCommand"]
 
@@ -85,7 +90,7 @@ class ProbeCommand:
         budget = parse_size(args.vram, what="--vram") if args.vram else None
         result = probe(task, config, device=device, steps=parse_count(args.steps, what="--steps"), budget_bytes=budget)
         if args.json:
-            out = (
+            out: dict[str, Any] = (
                 result.estimate.to_dict()
                 if result.estimate is not None
                 else {"method": "measured", "config": config.to_dict()}
@@ -136,7 +141,7 @@ class PlanCommand:
         return 0
 
 
-def _lr_auto(args: argparse.Namespace, task) -> bool:
+def _lr_auto(args: argparse.Namespace, task: Task) -> bool:
     """``--lr auto`` (or ``lr = "auto"`` in the config or the settings): the learning rate is
     memplan lr-find's suggestion on the chosen plan, found once the plan is known."""
     config = getattr(args, "config_values", None) or {}
@@ -146,7 +151,7 @@ def _lr_auto(args: argparse.Namespace, task) -> bool:
     return isinstance(given, str) and given.strip().lower() == "auto"
 
 
-def _with_plan(args: argparse.Namespace, options, task, plan):
+def _with_plan(args: argparse.Namespace, options: TrainOptions, task: Task, plan: Plan) -> TrainOptions:
     """The options for training ``plan``: its device, and the learning rate lr-find suggests
     for its configuration when ``--lr auto`` was asked for."""
     options = replace(options, device=plan.device)
@@ -157,21 +162,24 @@ def _with_plan(args: argparse.Namespace, options, task, plan):
     return options
 
 
-def _train_options(args: argparse.Namespace, device: str, task):
+def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOptions:
     from pathlib import Path
 
     from ._options import option_specs, resolve_options
 
     config = getattr(args, "config_values", None)
     settings = task.settings
-    cli = {spec.name: getattr(args, spec.dest, None) for spec in option_specs()}
+    # Strings, and True/False from the --flag/--no-flag options (None: not given).
+    cli: dict[str, str | bool | None] = {spec.name: getattr(args, spec.dest, None) for spec in option_specs()}
     if _lr_auto(args, task):
         # Found on the plan, after the search (see _with_plan); none until then.
         cli["lr"] = None
         config = {k: v for k, v in (config or {}).items() if k != "lr"} if config is not None else None
         settings = {k: v for k, v in settings.items() if k != "lr"}
     return resolve_options(
-        cli=cli,
+        # resolve_options reads the booleans of --flag/--no-flag too (isinstance(raw, bool)), and
+        # skips None; its annotation says strings only (memplan/_options.py).
+        cli=cli,  # type: ignore[arg-type]
         config=config,
         config_name=Path(args.config).name if config is not None else "config",
         settings=settings,
@@ -184,7 +192,7 @@ def _train_options(args: argparse.Namespace, device: str, task):
     )
 
 
-def _compile_said(args: argparse.Namespace, task) -> bool | None:
+def _compile_said(args: argparse.Namespace, task: Task) -> bool | None:
     """What the command line, the config file or the model file said of --compile (None: nothing)."""
     from ._fit import compile_said
 
@@ -193,7 +201,7 @@ def _compile_said(args: argparse.Namespace, task) -> bool | None:
     )
 
 
-def _check_device(args: argparse.Namespace, plan) -> None:
+def _check_device(args: argparse.Namespace, plan: Plan) -> None:
     from estimators import ConfigError
 
     if args.device is not None and args.device != plan.device.split(":")[0]:
@@ -203,7 +211,7 @@ def _check_device(args: argparse.Namespace, plan) -> None:
         )
 
 
-def _print_result(result) -> None:
+def _print_result(result: TrainResult | None) -> None:
     if result is None:  # a machine without rank 0
         print("done: this machine's ranks finished; the machine of rank 0 writes the results")
         return
@@ -248,13 +256,10 @@ class FitCommand:
         said = _compile_said(args, task)
         plan = resumed_plan(args.out) if args.resume else None
         if plan is None:
-            # --no-compile: compiled probes would measure what will not be trained.
-            plan = search(
-                task,
-                progress=not args.no_progress and sys.stderr.isatty(),
-                **{**search_kwargs(args), **({"compile_top": 0} if said is False else {})},
-                **layout_kwargs(spec),
-            )
+            kwargs = search_kwargs(args)
+            if said is False:
+                kwargs["compile_top"] = 0  # --no-compile: compiled probes would measure what will not be trained
+            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **kwargs, **layout_kwargs(spec))
         else:
             _check_device(args, plan)
             print(f"resuming the plan in {args.out}/plan.json (no search)")

@@ -120,4 +120,4 @@ def make_schedule(
         raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
     if name in _NEEDS_HORIZON and (total_steps is None or total_steps < 1):
         raise ConfigError(f"schedule {name!r} needs the run's length; set epochs or max_steps")
-    return SHAPES[name](optimizer, warmup_steps=warmup_steps, total_steps=total_steps, **kwargs)  # type: ignore[call-arg]
+    return SHAPES[name](optimizer, warmup_steps=warmup_steps, total_steps=total_steps, **kwargs)

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import TypeGuard
 
 __all__ = ["Series", "line_chart", "bar_chart", "PALETTE"]
 
@@ -24,7 +25,7 @@ class Series:
     dashed: bool = False
 
 
-def _finite(v: object) -> bool:
+def _finite(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -50,9 +51,12 @@ def line_chart(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str
                hlines: Sequence[tuple[str, float]] = ()) -> str:
     """One ``<svg>`` element with a line per series (points that are not finite, or not
     positive on a log axis, are left out), and labelled horizontal reference lines."""
-    ok = (lambda v: _finite(v) and v > 0) if log_y else _finite
-    ty = (lambda v: math.log10(v)) if log_y else (lambda v: v)
-    pts = [[(float(x), ty(float(y))) for x, y in zip(s.xs, s.ys) if _finite(x) and ok(y)] for s in series]
+    def ok(v: float | None) -> TypeGuard[float]:
+        return _finite(v) and (not log_y or v > 0)
+
+    def ty(v: float) -> float:
+        return math.log10(v) if log_y else v
+    pts = [[(float(x), ty(y)) for x, y in zip(s.xs, s.ys) if _finite(x) and ok(y)] for s in series]
     xs = [x for p in pts for x, _ in p]
     ys = [y for p in pts for _, y in p] + [ty(v) for _, v in hlines if ok(v)]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" '

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,11 @@ from estimators import ConfigError
 __all__ = ["InitScheme", "init_weights", "DropPath", "drop_path"]
 
 InitScheme = Literal["xavier", "kaiming", "trunc_normal"]
+
+Nonlinearity = Literal["linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                       "conv_transpose3d", "sigmoid", "tanh", "relu", "leaky_relu", "selu"]
+"""The nonlinearities whose gain ``torch.nn.init.calculate_gain`` knows."""
+_NONLINEARITIES: tuple[Nonlinearity, ...] = get_args(Nonlinearity)
 
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
              nn.ConvTranspose3d, nn.Embedding, nn.Bilinear)
@@ -67,16 +72,10 @@ def init_weights(model: nn.Module, scheme: InitScheme = "xavier", *, std: float 
         raise ConfigError(f"init_weights: scheme must be 'xavier', 'kaiming' or 'trunc_normal', got {scheme!r}")
     if not (isinstance(std, (int, float)) and math.isfinite(std) and std > 0):
         raise ConfigError(f"init_weights: std must be a number > 0, got {std!r}")
-    if nonlinearity is not None:
-        try:
-            nn.init.calculate_gain(nonlinearity)
-        except ValueError:
-            raise ConfigError(
-                f"init_weights: unknown nonlinearity {nonlinearity!r}; use e.g. 'relu', 'tanh', 'linear'"
-            ) from None
+    gain = _nonlinearity(nonlinearity) if nonlinearity is not None else None
     for module in model.modules():
         if isinstance(module, _WEIGHTED):
-            _init_weight(module.weight, scheme, std, nonlinearity)
+            _init_weight(module.weight, scheme, std, gain)
             bias = getattr(module, "bias", None)
             if isinstance(bias, torch.Tensor):
                 bias.zero_()
@@ -84,14 +83,23 @@ def init_weights(model: nn.Module, scheme: InitScheme = "xavier", *, std: float 
             if padding is not None:
                 module.weight[padding].zero_()
         elif isinstance(module, _NORMS):
-            if getattr(module, "weight", None) is not None:
-                module.weight.fill_(1.0)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+            if isinstance(weight, torch.Tensor):  # None without elementwise_affine
+                weight.fill_(1.0)
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
     return model
 
 
-def _init_weight(weight: torch.Tensor, scheme: str, std: float, nonlinearity: str | None) -> None:
+def _nonlinearity(name: str) -> Nonlinearity:
+    """``name`` as one of the nonlinearities ``torch.nn.init.calculate_gain`` knows."""
+    for known in _NONLINEARITIES:
+        if name == known:
+            return known
+    raise ConfigError(f"init_weights: unknown nonlinearity {name!r}; use e.g. 'relu', 'tanh', 'linear'")
+
+
+def _init_weight(weight: torch.Tensor, scheme: str, std: float, nonlinearity: Nonlinearity | None) -> None:
     if scheme == "trunc_normal":
         nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
     elif scheme == "xavier":
