@@ -177,9 +177,7 @@ def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOp
         config = {k: v for k, v in (config or {}).items() if k != "lr"} if config is not None else None
         settings = {k: v for k, v in settings.items() if k != "lr"}
     return resolve_options(
-        # resolve_options reads the booleans of --flag/--no-flag too (isinstance(raw, bool)), and
-        # skips None; its annotation says strings only (memplan/_options.py).
-        cli=cli,  # type: ignore[arg-type]
+        cli=cli,
         config=config,
         config_name=Path(args.config).name if config is not None else "config",
         settings=settings,

@@ -309,7 +309,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 def resolve_options(
     *,
-    cli: Mapping[str, str] | None = None,
+    cli: Mapping[str, str | bool | None] | None = None,
     config: Mapping[str, Any] | None = None,
     config_name: str = "config",
     settings: Mapping[str, Any] | None = None,

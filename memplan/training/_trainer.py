@@ -240,12 +240,9 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         """Length of the run, in optimizer steps (windows)."""
         opts, task, config = self.options, self.task, self.config
         self.steps_per_epoch = math.ceil(self.sampler.n_epoch / config.global_batch)
-        epochs, max_steps = opts.epochs, opts.max_steps
-        if epochs is None and max_steps is None:
-            epochs = task.settings.get("epochs")
-            max_steps = task.settings.get("max_steps")
-            if epochs is None and max_steps is None:
-                epochs = 1
+        # One rule for the length, whoever trains (fit, memplan train, memplan.train): the options',
+        # else the model file's settings', else the default epochs.
+        epochs, max_steps = opts.training_length(task.settings)
         candidates = [int(epochs) * self.steps_per_epoch] if epochs else []
         candidates += [int(max_steps)] if max_steps else []
         return min(candidates)
