@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel workers (pytest-xdist, one per core) each run one intra-op thread, and so do the
+    # processes they start (probes, ranks, trace workers): several workers with a thread per
+    # core each would fight over the cores, and OpenMP's spinning threads make that far slower
+    # than the parallelism gains. Results do not depend on the thread count.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
