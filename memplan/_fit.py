@@ -5,14 +5,18 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypedDict
 
+import torch
 import torch.nn as nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
 
 from estimators import ConfigError, MemoryGuard, Task, parse_size
+from estimators._types import Batch, Item
 
 from .planning import Plan, resolve_task, search
 from .training import LaunchSpec, TrainOptions, TrainResult, launch_training, train
@@ -85,12 +89,12 @@ def fit(
     model: Task | str | os.PathLike[str] | nn.Module,
     *,
     vram: int | str | None = None,
-    sample: Any = None,
-    train_data: Any = None,
-    val_data: Any = None,
-    loss: Callable[[nn.Module, Any], Any] | None = None,
-    optimizer: Callable[[Any], Any] | None = None,
-    scheduler: Callable[[Any, int], Any] | None = None,
+    sample: Batch | Callable[[int], Batch] | None = None,
+    train_data: Dataset[Item] | None = None,
+    val_data: Dataset[Item] | None = None,
+    loss: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    scheduler: Callable[[torch.optim.Optimizer, int], LRScheduler] | None = None,
     global_batch: int | None = None,
     device: str | None = None,
     trials: int = 60,
@@ -104,7 +108,7 @@ def fit(
     options: TrainOptions | None = None,
     launch: LaunchSpec | None = None,
     shape_policy: str = "max",
-    **option_values: Any,
+    **option_values: object,
 ) -> tuple[Plan, TrainResult | None]:
     """Search the configurations of ``model`` under ``vram``, then train the best one.
 

@@ -14,13 +14,15 @@ the device at hand — the two best raced step against step (``._races``), the o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypedDict
 
 import torch
 import torch.nn as nn
+from torch.utils.data import Dataset
 
-from estimators import ConfigError, Task, prestart
+from estimators import ConfigError, Estimate, Estimator, Task, TrainConfig, prestart
+from estimators._types import Batch, Item
 
 from ._compile import evaluate_compile
 from ._inputs import budget_for, can_probe, estimator_for, host_budget_for, meta_model, resolve_task
@@ -29,21 +31,34 @@ from ._plan import Plan
 from ._probes import probe_best
 from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
-from ._refusal import no_fit, refuse_from_lower_bound, state_floor
-from ._space import frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
-from ._study import enqueue_corners, open_study
+from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
+from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
+from ._study import MirroredStudy, enqueue_corners, open_study
 
 __all__ = ["search"]
+
+
+class _StudyOptions(TypedDict):
+    """What every study of one search shares (``_run_study``'s keywords)."""
+
+    budget: int
+    margin: float
+    trials: int
+    seed: int | None
+    storage: str | None
+    progress: bool
+    floor: StateFloor | None
+    host_limit: int | None
 
 
 def search(
     model: Task | str | os.PathLike[str] | nn.Module,
     *,
     vram: int | str | None = None,
-    sample: Any = None,
-    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-    train_data: Any = None,
+    sample: Batch | Callable[[int], Batch] | None = None,
+    loss: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    train_data: Dataset[Item] | None = None,
     global_batch: int | None = None,
     device: str | None = None,
     gpu: str | None = None,
@@ -153,7 +168,7 @@ def search(
         estimator.rates()
         prestart()
 
-    study = dict(
+    study = _StudyOptions(
         budget=budget,
         margin=margin,
         trials=trials,
@@ -205,8 +220,14 @@ def search(
 
 
 def _study_then_widen(
-    task: Task, estimator: Any, space: Any, frugal: Any, limit: int, study: dict[str, Any], notes: list[str]
-) -> tuple[Objective, Any, bool, Any]:
+    task: Task,
+    estimator: Estimator,
+    space: SearchSpace,
+    frugal: SearchSpace | None,
+    limit: int,
+    study: _StudyOptions,
+    notes: list[str],
+) -> tuple[Objective, MirroredStudy, bool, SearchSpace | None]:
     """The study of ``space``; when nothing in it fits, the study of ``frugal`` (the techniques
     that trade speed or precision for memory), the estimates made so far kept. Returns the
     last study's objective, its storage, whether Ctrl-C cut it short, and the widened space
@@ -228,8 +249,8 @@ def _study_then_widen(
 
 def _run_study(
     task: Task,
-    estimator: Any,
-    space: Any,
+    estimator: Estimator,
+    space: SearchSpace,
     limit: int,
     *,
     budget: int,
@@ -238,10 +259,10 @@ def _run_study(
     seed: int | None,
     storage: str | None,
     progress: bool,
-    floor: Any = None,
+    floor: StateFloor | None = None,
     host_limit: int | None = None,
-    cache: dict[Any, Any] | None = None,
-) -> tuple[Objective, Any, bool]:
+    cache: Mapping[TrainConfig, Estimate] | None = None,
+) -> tuple[Objective, MirroredStudy, bool]:
     """The study of ``space``: resumed, its least-memory corners asked first, run to ``trials``."""
     objective = Objective(space, estimator, limit, floor=floor, host_limit=host_limit)
     if cache:
