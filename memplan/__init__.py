@@ -27,7 +27,7 @@ from ._doctor import doctor  # noqa: E402
 from ._fit import fit, train_plan  # noqa: E402
 from ._lr_find import lr_find  # noqa: E402
 from ._version import __version__
-from .planning import Plan, PlanEntry, search  # noqa: E402
+from .planning import Plan, PlanEntry, SearchInterrupted, search  # noqa: E402
 from .training import LaunchSpec, Trainer, TrainOptions, TrainResult, keep_global_batch, launch_training, train  # noqa: E402,I001
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "LaunchSpec",
     "Plan",
     "PlanEntry",
+    "SearchInterrupted",
     "TrainOptions",
     "TrainResult",
     "Trainer",

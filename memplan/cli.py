@@ -151,8 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemplanError as exc:
         sys.stderr.write(f"memplan: {exc}\n".replace("\n", " ").rstrip() + "\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("memplan: interrupted\n")
+    except KeyboardInterrupt as exc:
+        # A search says what it kept and how to go on (SearchInterrupted); a bare Ctrl-C elsewhere
+        # has nothing to add. 130: the shell's code for a command stopped by SIGINT.
+        sys.stderr.write(f"memplan: {exc or 'interrupted'}\n")
         return 130
 
 

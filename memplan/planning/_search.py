@@ -35,7 +35,20 @@ from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
 from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
 from ._study import MirroredStudy, enqueue_corners, open_study
 
-__all__ = ["search"]
+__all__ = ["search", "SearchInterrupted"]
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a search's study: its completed trials are kept in the study (its storage),
+    and the same search run again continues from them. A ``KeyboardInterrupt``, so that code
+    stopping on Ctrl-C stops on it too; no plan is made from a part of the study."""
+
+    def __init__(self, trials: int) -> None:
+        self.trials = trials
+        super().__init__(
+            f"search interrupted after {trials} trial{'s' if trials != 1 else ''}, kept in its study; "
+            "run the same command again to continue the search"
+        )
 
 
 class _StudyOptions(TypedDict):
@@ -180,6 +193,11 @@ def search(
     )
     objective, mirrored, interrupted, wider = _study_then_widen(task, estimator, space, frugal, limit, study, notes)
     estimates, failed = objective.results()
+    if interrupted:
+        # What a cut-short search found is an accident of where Ctrl-C fell (the least-memory
+        # corners are asked first: the slowest configurations). Nothing is probed, returned or
+        # trained from it; the study keeps its trials for the next run.
+        raise SearchInterrupted(len(estimates) + len(failed))
     feasible = [e for e in estimates if objective.fits(e)]
     if not feasible:
         if not estimates:  # every configuration was known not to fit without a trace
@@ -187,8 +205,6 @@ def search(
         raise no_fit(estimates, budget, limit, estimator, host_limit=host_limit)
     entries = rank_predicted(feasible)
     tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
-    if interrupted:
-        notes.append("search interrupted; plan built from the trials completed so far")
     if any(e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
@@ -233,6 +249,8 @@ def _study_then_widen(
     last study's objective, its storage, whether Ctrl-C cut it short, and the widened space
     (None when not widened); says what it widened to in ``notes``."""
     objective, mirrored, interrupted = _run_study(task, estimator, space, limit, **study)
+    if interrupted:
+        return objective, mirrored, interrupted, None
     estimates, failed = objective.results()
     if not estimates and failed:
         raise objective.failures.first_error()
