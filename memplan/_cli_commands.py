@@ -26,6 +26,7 @@ from ._cli_args import (
     layout_from,
     search_kwargs,
 )
+from ._paths import writable_dir, writable_file
 from ._report import estimate_table
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class EstimateCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         config = config_from(args)
+        for flag, path in (("--plot", args.plot), ("--snapshot", args.snapshot)):
+            if path:
+                writable_file(path, flag)
         task = load_task(args.model)
         estimator = Estimator(task, device=args.device, gpu=args.gpu, shape_policy=args.shape_policy)
         est = estimator.shape_distribution(config, exact=True)
@@ -124,6 +128,11 @@ class PlanCommand:
         from .planning import search
 
         gpus, nodes = layout_from(args)
+        # Where the results go, checked before a search that may take minutes.
+        if args.out:
+            writable_file(args.out, "--out")
+        if args.plot:
+            writable_file(args.plot, "--plot")
         if args.plot:
             from ._plots import require_matplotlib
 
@@ -182,7 +191,7 @@ def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOp
         config_name=Path(args.config).name if config is not None else "config",
         settings=settings,
         settings_name=Path(task.source_path).name if task.source_path else task.name,
-        out_dir=Path(args.out),
+        out_dir=writable_dir(args.out, "--out"),
         resume=args.resume,
         device=device,
         progress=not args.no_progress,

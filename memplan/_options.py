@@ -292,9 +292,16 @@ def read_config(path: str | Path) -> dict[str, Any]:
         except ModuleNotFoundError:
             raise ConfigError("reading --config needs Python 3.11+ (tomllib) or `pip install tomli`") from None
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} not found; write one with memplan init") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {str(p)!r} is a folder; give the TOML file (memplan init writes one)") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "save it as UTF-8 TOML") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML ({exc})") from None
     known = [s.name for s in option_specs()] + list(SEARCH_KEYS)

@@ -244,11 +244,17 @@ class Plan:
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan as JSON, atomically: a reader sees the old file or the whole new one."""
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"cannot save the plan to {p}: it is a folder; give a file name, e.g. {p / 'plan.json'}")
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2))
-        os.replace(tmp, p)
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=2))
+            os.replace(tmp, p)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed write leaves no *.tmp behind
         return p
 
     @classmethod

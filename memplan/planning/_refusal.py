@@ -125,7 +125,8 @@ def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
 
 def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) -> str:
     """The budget (its margin kept) that ``need`` would fit in, as a fix to suggest."""
-    gb = math.ceil(need * budget / limit / 1e9)
+    # A budget of a few bytes leaves no limit at all once the margin is taken: name the need.
+    gb = max(1, math.ceil(need * budget / limit / 1e9)) if limit > 0 else max(1, math.ceil(need / 1e9))
     return f"a card with >= {gb} GB" if estimator.device == "cuda" else f"--vram {gb}GB or more"
 
 

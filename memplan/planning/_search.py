@@ -33,7 +33,7 @@ from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
 from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
 from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
-from ._study import MirroredStudy, enqueue_corners, open_study
+from ._study import MirroredStudy, check_storage, enqueue_corners, open_study
 
 __all__ = ["search", "SearchInterrupted"]
 
@@ -144,12 +144,16 @@ def search(
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
+    check_storage(storage)  # a bad URL is one line now, not a traceback after the estimates
     task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data).with_shape_policy(
         shape_policy
     )
     estimator = estimator_for(task, device=device, gpu=gpu)
     budget = budget_for(estimator, vram)
     limit = int(budget * (1 - margin))
+    if limit < 1:
+        raise ConfigError(f"--vram {budget} B leaves nothing once the {margin:.0%} margin is kept; "
+                          "give the device's memory, e.g. --vram 12GB")
     blocks_model = meta_model(task)
     notes: list[str] = []
     space = space_for(

@@ -28,12 +28,39 @@ import optuna
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from estimators import Estimator, Task, TrainConfig
+from estimators import ConfigError, Estimator, Task, TrainConfig
 
 from .._version import __version__
 from ._space import SearchSpace
 
-__all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners"]
+__all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners", "check_storage"]
+
+_STORAGE_HINT = "give an Optuna storage URL such as sqlite:///studies.db or postgresql://user@host/db"
+
+
+def check_storage(url: str | None) -> None:
+    """A ``--storage`` URL that Optuna can open, checked before the search: its form and its
+    database driver (SQLAlchemy's), and for SQLite that its folder exists. A database that
+    cannot be reached is found when the study opens (``MirroredStudy``), also as one line."""
+    if url is None:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+        parsed.get_dialect()
+    except (ArgumentError, ValueError) as exc:
+        raise ConfigError(f"--storage {url!r} is not a database URL ({exc}); {_STORAGE_HINT}") from None
+    except NoSuchModuleError:
+        raise ConfigError(f"--storage {url!r}: no database driver for {parsed.drivername!r}; {_STORAGE_HINT}") from None
+    except ImportError as exc:
+        raise ConfigError(f"--storage {url!r} needs a database driver that is not installed ({exc.name}); "
+                          f"pip install it, or {_STORAGE_HINT}") from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        folder = Path(parsed.database).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise ConfigError(f"--storage {url!r}: folder {folder} does not exist; create it or {_STORAGE_HINT}")
 
 
 def default_storage() -> str:
@@ -63,8 +90,14 @@ class MirroredStudy:
         backend: Any = _sqlite_storage(storage) if tuned_sqlite and storage.startswith("sqlite:///") else storage
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            self.persistent = optuna.create_study(study_name=name, storage=backend, direction="maximize",
-                                                  load_if_exists=True)
+            try:
+                self.persistent = optuna.create_study(study_name=name, storage=backend, direction="maximize",
+                                                      load_if_exists=True)
+            except Exception as exc:  # SQLAlchemy's and the drivers' errors: a server down, a bad file
+                if isinstance(exc, ConfigError):
+                    raise
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ConfigError(f"--storage {storage!r} cannot be opened ({reason}); {_STORAGE_HINT}") from None
             self.study = optuna.create_study(study_name=name, sampler=sampler, direction="maximize")
         done = self.persistent.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         self.study.add_trials(done)
