@@ -31,6 +31,7 @@ from ._checkpoint_io import (
     remove_stale_sharded,
     save_checkpoint,
     save_sharded,
+    sharded_folder,
 )
 
 if TYPE_CHECKING:
@@ -230,10 +231,11 @@ class _Checkpoints:
     def _restore_tensors(self, ckpt: Mapping[str, Any]) -> None:
         """Weights, optimizer, schedule, GradScaler and EMA, whatever the strategy that wrote them."""
         if ckpt.get("dcp"):
-            self._last_dcp = ckpt["dcp"]
             # Written by an FSDP2 run: DCP reshards the tensors to this run's layout -- another
-            # world size, or one plain process.
-            load_sharded(self.model, self.optimizer, self.out_dir / ckpt["dcp"], extra=self._sharded_extra())
+            # world size, or one plain process. Only from the run's own folder, read as data.
+            folder = sharded_folder(self.out_dir, ckpt["dcp"], checkpoint=self.checkpoint_path)
+            self._last_dcp = ckpt["dcp"]
+            load_sharded(self.model, self.optimizer, folder, extra=self._sharded_extra())
         elif self.config.strategy == "fsdp":
             raise ConfigError(
                 f"{self.checkpoint_path} is a single-file checkpoint (a single-device or DDP run); an FSDP run "
