@@ -22,16 +22,40 @@ How ``checkpoint_segments = N`` maps onto a model:
   checkpointing and full checkpointing (every kept output is one a plain backward keeps too).
   The policy runs as a dispatch mode, so the fake-tensor trace sees (and prices) exactly the
   tensors it keeps.
+* Recomputation changes no state. A block's forward may update buffers as a side effect
+  (BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training mode;
+  any module's in-place ``self.buf.add_(...)``); its recomputation in backward would update
+  them a second time, so that checkpointing -- which the search and the OOM ladder switch on by
+  themselves -- would change what the model learns. The checkpointed forward notes which of
+  the block's modules changed a buffer (a buffer's version counter moved or the buffer was
+  replaced; BatchNorm-style ``_NormBase`` modules in training mode always count: their kernels
+  update the running statistics without bumping the version). The recomputation (the second
+  context of ``context_fn``, entered only then) leaves them alone, also when it stops early or
+  fails: torch's batch norms (``_BatchNorm``, ``SyncBatchNorm``) recompute with ``momentum =
+  0.0`` -- the same kernel on the same tensors, which leaves the running statistics as they
+  are, and allocates nothing, so that the trace's recomputed ops are still the plain
+  forward's -- and their ``num_batches_tracked`` increment is taken back; other modules
+  recompute on copies of their buffers, registered in their place while it runs (real
+  allocations, made by the same code in the trace and in the trainer). Not under
+  ``torch.compile``, where ``context_fn`` must be dispatch modes: there the checkpoint is the
+  graph's higher-order op, and AOTAutograd's recomputation does not replay the buffer updates
+  (they are graph outputs). A block that breaks the graph inside (a momentum-None batch norm's
+  ``float(num_batches_tracked)``) falls back to an eager checkpoint chosen at trace time,
+  which still updates twice.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
+from typing import TypeGuard
 
 import torch
 import torch.nn as nn
 from torch._ops import OpOverload
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -116,12 +140,151 @@ def selective_policy(ctx: SelectiveCheckpointContext, func: OpOverload, *args: o
 _POLICIES: dict[str, Callable[..., CheckpointPolicy] | None] = {"full": None, "selective": selective_policy}
 
 
+_BatchNorm = nn.modules.batchnorm._BatchNorm
+_BATCH_NORM_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+
+
+def _momentum_only(module: nn.Module) -> TypeGuard[_BatchNorm]:
+    """A batch norm whose forward is torch's own and updates its running statistics in this
+    call: with ``momentum = 0.0`` it leaves them as they are, and only ``num_batches_tracked``
+    moves (``add_``, which bumps its version)."""
+    return (isinstance(module, _BatchNorm) and type(module).forward in _BATCH_NORM_FORWARDS
+            and module.training and module.track_running_stats)
+
+
+class _BufferGuard:
+    """One checkpointed call's buffer side effects: which of ``block``'s modules change buffers in
+    its forward (:meth:`forward`), and a recomputation that leaves them alone (:meth:`recompute`,
+    sequentially re-entrant: a graph kept for a second backward recomputes again)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.norms: list[_BatchNorm] = []
+        """Batch norms (:func:`_momentum_only`): recomputed with ``momentum = 0.0``."""
+        self.stateful: list[nn.Module] = []
+        """The block's other modules that changed a buffer in the forward: recomputed on copies."""
+        self._saved: list[tuple[list[tuple[nn.Module, str, torch.Tensor]],
+                                list[tuple[_BatchNorm, float | None, torch.Tensor | None, int]]]] = []
+
+    def forward(self) -> AbstractContextManager[None]:
+        return _ForwardWatch(self)
+
+    def recompute(self) -> AbstractContextManager[None]:
+        return _Recompute(self)
+
+
+class _ForwardWatch:
+    def __init__(self, guard: _BufferGuard) -> None:
+        self.guard = guard
+        self.before: list[tuple[nn.Module, str, torch.Tensor, int]] = []
+
+    def __enter__(self) -> None:
+        self.before = [(m, name, b, b._version) for m in self.guard.block.modules()
+                       for name, b in m._buffers.items() if b is not None]
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        before, self.before = self.before, []
+        if kind is not None:
+            return  # a failed forward is never recomputed
+        norms: dict[int, _BatchNorm] = {}
+        changed: dict[int, nn.Module] = {}
+        for module in self.guard.block.modules():
+            if _momentum_only(module):
+                norms[id(module)] = module
+            elif isinstance(module, nn.modules.batchnorm._NormBase) and module.training and module.track_running_stats:
+                # Their kernels update running_mean/var without bumping the version counter.
+                changed[id(module)] = module
+        for module, name, buf, version in before:
+            if id(module) not in norms and (module._buffers.get(name) is not buf or buf._version != version):
+                changed[id(module)] = module  # an in-place update, or a buffer replaced
+        self.guard.norms, self.guard.stateful = list(norms.values()), list(changed.values())
+
+
+class _Recompute:
+    def __init__(self, guard: _BufferGuard) -> None:
+        self.guard = guard
+
+    def __enter__(self) -> None:
+        # Batch norms recompute with momentum 0: the same kernel, reading and writing the same
+        # tensors (so the trace's recomputed ops are the plain forward's), and running
+        # statistics multiplied by 1 plus 0 times the batch's. Other modules update copies of
+        # their buffers, registered in their place; the buffers themselves are never touched,
+        # and going back to them is an assignment, which nothing (an OOM, an early stop) can
+        # interrupt.
+        guard = self.guard
+        slots = [(m, name, b) for m in guard.stateful for name, b in m._buffers.items() if b is not None]
+        copies: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for _, _, b in slots:
+                if id(b) not in copies:  # a buffer two modules share: one copy for both
+                    copies[id(b)] = b.clone()
+        for module, name, b in slots:  # only once every copy is made: an OOM above changes nothing
+            module._buffers[name] = copies[id(b)]
+        norms: list[tuple[_BatchNorm, float | None, torch.Tensor | None, int]] = []
+        for m in guard.norms:
+            counter = m._buffers.get("num_batches_tracked")
+            norms.append((m, m.momentum, counter, counter._version if counter is not None else 0))
+            m.momentum = 0.0
+        guard._saved.append((slots, norms))
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # Also after an early stop (checkpoint ends a recomputation by raising once it has what
+        # backward needs) or an error: the buffers are the forward's whatever happened.
+        slots, norms = self.guard._saved.pop()
+        for module, name, b in slots:
+            module._buffers[name] = b
+        for m, momentum, counter, version in norms:
+            m.momentum = momentum
+            if counter is not None and counter._version != version:
+                # The recomputation's add_(1) taken back, with the dispatch modes off: an in-place
+                # op on a scalar that allocates nothing, which no guard may fail or count.
+                with _disable_current_modes(), torch.no_grad():
+                    counter.sub_(counter._version - version)
+
+
+class _Nested:
+    """``outer`` then ``inner``, left in reverse order; sequentially re-entrant when both are."""
+
+    def __init__(self, outer: AbstractContextManager[object], inner: AbstractContextManager[object]) -> None:
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self) -> None:
+        self.outer.__enter__()
+        try:
+            self.inner.__enter__()
+        except BaseException as e:
+            self.outer.__exit__(type(e), e, e.__traceback__)
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.inner.__exit__(kind, exc, tb)
+        finally:
+            self.outer.__exit__(kind, exc, tb)
+
+
+def _contexts(block: nn.Module, policy_fn: Callable[..., CheckpointPolicy] | None
+              ) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """``context_fn`` of one checkpointed call: the buffer guard around the selective policy's
+    pair of modes (outside them, so that the policy never sees the guard's copies)."""
+    guard = _BufferGuard(block)
+    if policy_fn is None:
+        forward, recompute = nullcontext(), nullcontext()
+    else:  # a fresh pair per call: each holds the kept outputs of one forward
+        forward, recompute = create_selective_checkpoint_contexts(policy_fn)
+    return _Nested(guard.forward(), forward), _Nested(guard.recompute(), recompute)
+
+
 class _Checkpointed:
     """A block's checkpointed ``forward``: the original bound method, run under ``checkpoint``."""
 
-    def __init__(self, original: Callable[..., object], policy: str) -> None:
+    def __init__(self, original: Callable[..., object], policy: str, block: nn.Module) -> None:
         self.original = original
         self.policy = policy
+        self.block = block
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         policy_fn = _POLICIES[self.policy]
@@ -129,10 +292,15 @@ class _Checkpointed:
         # ``**kwargs``, where one named like its options (``debug``) would be taken for it;
         # the non-reentrant checkpoint calls (and recomputes) the function with them as is.
         forward = functools.partial(self.original, **kwargs) if kwargs else self.original
-        if policy_fn is None:
-            return checkpoint(forward, *args, use_reentrant=False)
-        # A fresh pair of contexts per call: each holds the kept outputs of one forward.
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+        if torch.compiler.is_compiling():
+            # Compiled, the graph's recomputation does not replay buffer updates (they are graph
+            # outputs), and context_fn must return dispatch modes: the policy's alone (see the
+            # module docstring for a block that breaks the graph).
+            if policy_fn is None:
+                return checkpoint(forward, *args, use_reentrant=False)
+            return checkpoint(forward, *args, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, policy_fn))
+        context_fn = functools.partial(_contexts, self.block, policy_fn)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
 
 
@@ -170,5 +338,5 @@ def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | N
             if current.policy == "selective" and policy == "full":
                 current.policy = "full"
             continue
-        block.forward = _Checkpointed(block.forward, policy)
+        block.forward = _Checkpointed(block.forward, policy, block)
     return len(chosen)
