@@ -35,9 +35,9 @@ from ._recovery import (
     RecoveryEvent,
     free_memory,
     pick_rung,
+    restore_buffers,
     restore_optimizer,
-    restore_tensors,
-    snapshot_tensors,
+    snapshot_buffers,
 )
 from ._window import _WindowOutcome
 
@@ -127,10 +127,11 @@ class _InProcessRecovery:
         if not self._recovering:
             self._reset_window_peak()  # so that the largest batch's step has its own peak
             return self._run_window(window, batches, self.config)
-        # Undo state for a replay: buffers that forward updates in place (BatchNorm statistics)
-        # and the RNG that dropout draws from, so that a replay sees what the first try saw.
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        saved_buffers = snapshot_tensors(buffers) if buffers else None
+        # Undo state for a replay: the buffers that forward updates (BatchNorm's statistics and
+        # its integer num_batches_tracked: all of them, in host memory, outside the traced step)
+        # and the RNG that dropout draws from, so that a replay sees what the first try saw and
+        # the failed try's forwards leave nothing in the model.
+        saved_buffers = snapshot_buffers(self.model)
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         while True:
@@ -154,7 +155,7 @@ class _InProcessRecovery:
             intact = undo is not None or phase != "optimizer"  # else the step may be half applied
             del undo
             if saved_buffers is not None:
-                restore_tensors(buffers, saved_buffers)
+                restore_buffers(saved_buffers)
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)

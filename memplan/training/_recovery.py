@@ -213,6 +213,36 @@ def restore_tensors(targets: Iterable[torch.Tensor], saved: Iterable[torch.Tenso
             t.copy_(s)
 
 
+@dataclass
+class _BufferSnapshot:
+    """Every buffer of a model as it was (:func:`snapshot_buffers`)."""
+
+    slots: list[tuple[nn.Module, str, torch.Tensor]]
+    """Each registration: the module, the buffer's name, the tensor it held."""
+    tensors: list[torch.Tensor]
+    """The distinct tensors of ``slots`` (a buffer shared by two modules is copied once)."""
+    saved: list[torch.Tensor]
+    """Their host copies."""
+
+
+def snapshot_buffers(model: nn.Module) -> _BufferSnapshot | None:
+    """Host copies of every buffer of ``model`` (None when it has none): what a forward may
+    change as a side effect -- BatchNorm's running statistics and ``num_batches_tracked``, any
+    module's in-place update or replaced buffer -- so that a replayed window starts from them."""
+    slots = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    if not slots:
+        return None
+    tensors = list({id(b): b for _, _, b in slots}.values())
+    return _BufferSnapshot(slots=slots, tensors=tensors, saved=snapshot_tensors(tensors))
+
+
+def restore_buffers(snap: _BufferSnapshot) -> None:
+    """Put back what :func:`snapshot_buffers` saw: the values, in the same tensors, under the same names."""
+    restore_tensors(snap.tensors, snap.saved)
+    for module, name, tensor in snap.slots:
+        module._buffers[name] = tensor
+
+
 def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
                        scaler: Any | None) -> _Snapshot:
     """What an optimizer step changes in place: parameters, optimizer state, the GradScaler."""
