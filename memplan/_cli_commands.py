@@ -133,7 +133,6 @@ class PlanCommand:
             writable_file(args.out, "--out")
         if args.plot:
             writable_file(args.plot, "--plot")
-        if args.plot:
             from ._plots import require_matplotlib
 
             require_matplotlib()  # fail before the search, not after it

@@ -125,8 +125,7 @@ def _optimizer_state_bytes(task: Task, model: nn.Module) -> int:
 
 def _more_memory_hint(need: int, budget: int, limit: int, estimator: Estimator) -> str:
     """The budget (its margin kept) that ``need`` would fit in, as a fix to suggest."""
-    # A budget of a few bytes leaves no limit at all once the margin is taken: name the need.
-    gb = max(1, math.ceil(need * budget / limit / 1e9)) if limit > 0 else max(1, math.ceil(need / 1e9))
+    gb = math.ceil(need * budget / limit / 1e9)  # limit >= 1: search() refuses a budget the margin empties
     return f"a card with >= {gb} GB" if estimator.device == "cuda" else f"--vram {gb}GB or more"
 
 
