@@ -204,4 +204,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint.pt (fit: with OUT/plan.json, no search)"
     )
+    p.add_argument(
+        "--overwrite", action="store_true", help="start afresh in an OUT that holds another run's results, deleting them"
+    )
     add_option_flags(p)

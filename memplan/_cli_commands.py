@@ -192,6 +192,7 @@ def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOp
         settings_name=Path(task.source_path).name if task.source_path else task.name,
         out_dir=writable_dir(args.out, "--out"),
         resume=args.resume,
+        overwrite=args.overwrite,
         device=device,
         progress=not args.no_progress,
         seed=parse_count(args.seed, what="--seed", minimum=0) if getattr(args, "seed", None) is not None else None,
@@ -226,6 +227,22 @@ def _print_result(result: TrainResult | None) -> None:
     print(f"{state}: {result.steps} steps in {result.wall_s:.1f} s; {metrics}; written to {result.out_dir}")
 
 
+_SEARCH_ONLY = ("vram", "gpu", "host_memory", "global_batch", "precision", "checkpoint", "micro_batch", "strategy",
+                "storage")
+"""fit's flags that only the search reads (default: not given)."""
+
+
+def _unused_on_resume(args: argparse.Namespace) -> None:
+    """Say which search flags a resumed fit, which trains the saved plan, does not use."""
+    import logging
+
+    given = [f"--{name.replace('_', '-')}" for name in _SEARCH_ONLY if getattr(args, name, None) is not None]
+    if given:
+        logging.getLogger("memplan").warning(
+            "%s not used: --resume trains the plan saved in %s/plan.json, without a search; to plan anew, "
+            "start a fresh run there with --overwrite", ", ".join(given), args.out)
+
+
 class FitCommand:
     """Search the configurations, print the plan, then train the best one."""
 
@@ -240,7 +257,7 @@ class FitCommand:
     def run(self, args: argparse.Namespace) -> int:
         from estimators import ConfigError
 
-        from ._fit import layout_kwargs, resumed_plan, train_plan
+        from ._fit import layout_kwargs, resumed_plan, run_folder, train_plan
         from .planning import resolve_task, search
 
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
@@ -260,17 +277,22 @@ class FitCommand:
         options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
         task = task.with_step(options.step_options())  # the step the trainer will run is the one estimated
         said = _compile_said(args, task)
-        plan = resumed_plan(args.out) if args.resume else None
-        if plan is None:
-            kwargs = search_kwargs(args)
-            if said is False:
-                kwargs["compile_top"] = 0  # --no-compile: compiled probes would measure what will not be trained
-            plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **kwargs, **layout_kwargs(spec))
-        else:
-            _check_device(args, plan)
-            print(f"resuming the plan in {args.out}/plan.json (no search)")
-        print(plan.table())
-        result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec, compile=said)
+        # Held from before the search: two runs into one folder would lose each other's results.
+        with run_folder(args.out, resume=args.resume, overwrite=args.overwrite, searches=True,
+                        holder=spec is None or spec.node_rank == 0):
+            plan = resumed_plan(args.out) if args.resume else None
+            if plan is None:
+                kwargs = search_kwargs(args)
+                if said is False:
+                    kwargs["compile_top"] = 0  # --no-compile: compiled probes would measure what will not be trained
+                plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **kwargs,
+                              **layout_kwargs(spec))
+            else:
+                _check_device(args, plan)
+                _unused_on_resume(args)
+                print(f"resuming the plan in {args.out}/plan.json (no search)")
+            print(plan.table())
+            result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec, compile=said)
         _print_result(result)
         return 0
 
@@ -290,20 +312,23 @@ class TrainCommand:
         add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._fit import train_plan
+        from ._fit import run_folder, train_plan
         from .planning import Plan
 
         task = load_task(args.model)
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
         _check_device(args, plan)
-        result = train_plan(
-            task,
-            plan,
-            _with_plan(args, options, task, plan),
-            vram=args.vram,
-            launch=launch_spec(args),
-            compile=_compile_said(args, task),
-        )
+        spec = launch_spec(args)
+        with run_folder(args.out, resume=args.resume, overwrite=args.overwrite, searches=False,
+                        holder=spec is None or spec.node_rank == 0):
+            result = train_plan(
+                task,
+                plan,
+                _with_plan(args, options, task, plan),
+                vram=args.vram,
+                launch=spec,
+                compile=_compile_said(args, task),
+            )
         _print_result(result)
         return 0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypedDict
@@ -20,8 +21,9 @@ from estimators._types import Batch, Item
 
 from .planning import Plan, resolve_task, search
 from .training import LaunchSpec, TrainOptions, TrainResult, launch_training, train
+from .training._out_dir import check_out_dir, claim_out_dir
 
-__all__ = ["fit", "train_plan", "compile_said"]
+__all__ = ["fit", "train_plan", "compile_said", "run_folder"]
 
 
 def compile_said(*levels: Any) -> bool | None:
@@ -138,6 +140,19 @@ def fit(
     if options is not None and option_values:
         raise ConfigError(f"give TrainOptions or its fields as keywords, not both ({', '.join(option_values)})")
     opts = options or _options_from(task, option_values)
+    with run_folder(opts.out_dir, resume=opts.resume, overwrite=opts.overwrite, searches=True, python=True):
+        return _fit(task, opts, options, option_values, vram=vram, global_batch=global_batch, device=device,
+                    trials=trials, probe_top=probe_top, compile_top=compile_top, seed=seed, storage=storage,
+                    precisions=precisions, micro_batch_sizes=micro_batch_sizes,
+                    checkpoint_segments=checkpoint_segments, launch=launch, shape_policy=shape_policy)
+
+
+def _fit(task: Task, opts: TrainOptions, options: TrainOptions | None, option_values: dict[str, object], *,
+         vram: int | str | None, global_batch: int | None, device: str | None, trials: int, probe_top: int,
+         compile_top: int, seed: int, storage: str | None, precisions: Sequence[str] | None,
+         micro_batch_sizes: Sequence[int] | None, checkpoint_segments: Sequence[int] | None,
+         launch: LaunchSpec | None, shape_policy: str) -> tuple[Plan, TrainResult | None]:
+    """``fit``'s pipeline, in the folder it holds."""
     task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
     plan = resumed_plan(opts.out_dir) if opts.resume else None
     # TrainOptions(compile=False) cannot be told from the default: only compile=True is a word said.
@@ -171,18 +186,42 @@ def _options_from(task: Task, values: dict[str, Any]) -> TrainOptions:
     """``TrainOptions`` from keywords over the task's settings, each checked by name."""
     from ._options import option_specs, resolve_options
 
-    known = {spec.name for spec in option_specs()} | {"out_dir", "resume", "progress"}
+    known = {spec.name for spec in option_specs()} | set(_FIXED)
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(
             f"fit() got unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
             f"known: {', '.join(sorted(known))}"
         )
-    fixed = {k: values.pop(k) for k in ("out_dir", "resume", "progress") if k in values}
+    fixed = {k: values.pop(k) for k in _FIXED if k in values}
     options = resolve_options(
         config=values, config_name="fit()", settings=task.settings, settings_name=task.name, **fixed
     )
     return options
+
+
+_FIXED = ("out_dir", "resume", "overwrite", "progress")
+"""``fit()`` keywords that are ``TrainOptions`` fields but not options of a config file."""
+
+
+@contextlib.contextmanager
+def run_folder(out_dir: str | os.PathLike[str], *, resume: bool, overwrite: bool, searches: bool,
+               python: bool = False, holder: bool = True) -> Iterator[None]:
+    """Hold the run's folder for a command (its search too) and check it first: a fresh run
+    refuses another run's results unless ``overwrite`` (which deletes them), and ``resume``
+    needs something to resume (``searches``: the command writes its own ``plan.json``, which
+    then is a result too, and resumable). ``python``: messages name ``resume=True``, not ``--resume``.
+    ``holder``: False on the machines of a multi-machine run without rank 0, which leave the
+    (possibly shared) folder to that one's."""
+    if not holder:
+        yield
+        return
+    flags = ("resume=True", "overwrite=True") if python else ("--resume", "--overwrite")
+    with claim_out_dir(out_dir, "out_dir" if python else "--out"):
+        removed = check_out_dir(out_dir, resume=resume, overwrite=overwrite, plan=searches, flags=flags)
+        if removed:
+            logging.getLogger("memplan").warning("%s: deleted the earlier run's %s", out_dir, ", ".join(removed))
+        yield
 
 
 def resumed_plan(out_dir: str | os.PathLike[str]) -> Plan | None:

@@ -36,8 +36,8 @@ __all__ = ["OptionSpec", "option_specs", "add_option_flags", "explicit_dests", "
            "generated_block", "write_tables"]
 
 # Fields that are not options a user sets: the plan fills them in (device, the predicted peak),
-# or a command-line flag of its own carries them (--out, --resume, --no-progress, --seed).
-_NOT_OPTIONS = {"device", "predicted_peak_bytes", "out_dir", "resume", "progress", "seed"}
+# or a command-line flag of its own carries them (--out, --resume, --overwrite, --no-progress, --seed).
+_NOT_OPTIONS = {"device", "predicted_peak_bytes", "out_dir", "resume", "overwrite", "progress", "seed"}
 
 SEARCH_KEYS: dict[str, str] = {
     "vram": "the memory budget, e.g. \"12GB\"",

@@ -18,6 +18,7 @@ Where each part lives (the :class:`Trainer` is made of the parts marked *part*):
 ``_recovery``       OOM helpers (undo copies, rung choice, records) and :func:`keep_global_batch`.
 ``_distributed``    what the ranks agree on (*part*).
 ``_launch``         :func:`launch_training`: start the ranks, relaunch them one rung down after an OOM.
+``_out_dir``        the output folder: held by one run at a time; a fresh run never over another's results.
 ``_rank``           one rank's entry point and failure report.
 
 What a run writes to ``out_dir``:
@@ -43,6 +44,7 @@ What a run writes to ``out_dir``:
                     when the run ends (also by a signal or an error).
 ``checkpoint-dcp/``  FSDP2 runs only: the sharded tensors of the checkpoint (``torch.distributed.checkpoint``).
 ``oom-rank<R>.json`` / ``failure-rank<R>.json``   distributed runs only: what a failed rank leaves for the launcher.
+``.memplan.lock``   who holds the folder (see ``_out_dir``).
 ``summary.json``    wall time, steps, best and final metrics, measured vs predicted peak memory,
                     the OOM ``recoveries``.
 """

@@ -164,7 +164,7 @@ class _Checkpoints:
     def _resume(self) -> int | None:
         """Load ``checkpoint.pt`` if there is one; returns its step (None: fresh start)."""
         if not self.checkpoint_path.exists() and not previous_path(self.checkpoint_path).exists():
-            log.info("no checkpoint at %s; starting from scratch", self.checkpoint_path)
+            log.warning("resume: no checkpoint at %s; starting from scratch", self.checkpoint_path)
             return None
         ckpt, source, passed_over = load_latest_checkpoint(self.checkpoint_path, map_location=self.device)
         if passed_over is not None:
@@ -211,6 +211,9 @@ class _Checkpoints:
                 "an epoch's length depends on it: resume with the same drop_last, or use another out_dir")
         if ckpt["task"]["source_hash"] != self.task.source_hash:
             log.warning("%s changed since the checkpoint was written", self.task.name)
+        changed = _changed_options(ckpt["options"], self.options.to_dict())
+        if changed and self.is_main:
+            log.warning("resuming %s with options the run did not start with: %s", self.checkpoint_path, changed)
 
     def _restore_recovery(self, ckpt: Mapping[str, Any], saved: TrainConfig) -> None:
         """An OOM-recovered run continues on the configuration that worked."""
@@ -249,6 +252,17 @@ class _Checkpoints:
             self.scaler.load_state_dict(ckpt["scaler"])
         if self.ema is not None and ckpt["ema"] is not None:
             self.ema.load_state_dict(ckpt["ema"])
+
+
+_NOT_COMPARED = frozenset({"out_dir", "resume", "overwrite", "progress", "predicted_peak_bytes", "metrics_path"})
+"""Options that say where and how a run is shown, not how it trains."""
+
+
+def _changed_options(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """``lr 0.001 -> 0.01, max_steps 20 -> 40``: the training options a resume changes (those
+    the checkpoint recorded; empty when none)."""
+    return ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in now
+                     if k in saved and k not in _NOT_COMPARED and saved[k] != now[k])
 
 
 def _all_finite(model: nn.Module) -> bool:

@@ -189,6 +189,13 @@ class _Loaders:
             raise ModelFileError(f"{task.name}: train_data() is empty; it must hold at least one item")
         if self.n_train < self.world_size:
             raise ConfigError(f"{task.name}: {self.n_train} training items cannot be shared by {self.world_size} ranks")
+        if config.global_batch > self.n_train:
+            # Each step would take every item, in batches smaller than the configuration's: not
+            # the step that was planned (nor its memory), and not the global batch asked for.
+            raise ConfigError(
+                f"the configuration's global batch of {config.global_batch} ({config.describe()}) is larger than "
+                f"{task.name}'s {self.n_train} training items; plan for at most {self.n_train} "
+                f"(memplan plan --global-batch {self.n_train})")
         self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed,
                                      global_batch=config.global_batch, rank=self.rank, world_size=self.world_size,
                                      drop_last=opts.drop_last)

@@ -43,6 +43,7 @@ from typing import Any, Literal
 from estimators import ConfigError, TrainConfig, TrainingError, format_size
 
 from ._options import TrainOptions
+from ._out_dir import HELD_ENV, check_out_dir, claim_out_dir
 from ._rank import _clear_failures, _failure_message, _rank_main, _RankJob
 from ._recovery import OOMRecord, RecoveryEvent, ladder_configs, ladder_peaks, pick_rung
 from ._state import TrainResult
@@ -131,10 +132,23 @@ def launch_training(
         >>> launch_training("model.py", TrainConfig(micro_batch_size=4, strategy="ddp", world_size=2),
         ...                 TrainOptions(max_steps=10), spec=LaunchSpec(nproc_per_node=2))  # doctest: +SKIP
     """
+    _check_launch(config, spec)
+    out_dir = Path(options.out_dir)
+    # The machine of rank 0 holds the folder for every attempt; its ranks find the claim in
+    # their environment (HELD_ENV) and leave the folder to it.
+    with claim_out_dir(out_dir, "out_dir") if spec.node_rank == 0 else contextlib.nullcontext():
+        if spec.node_rank == 0 and not options.resume:
+            check_out_dir(out_dir, resume=False, overwrite=options.overwrite, flags=("resume=True", "overwrite=True"))
+        return _launch_attempts(model_path, config, options, spec, budget_bytes, ladder)
+
+
+def _launch_attempts(model_path: str | os.PathLike[str], config: TrainConfig, options: TrainOptions,
+                     spec: LaunchSpec, budget_bytes: int | None,
+                     ladder: Sequence[Any] | None) -> TrainResult | None:
+    """Launch the ranks; after an OOM, again on the next rung, resuming (see launch_training)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    _check_launch(config, spec)
     out_dir = Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rungs = distributed_ladder(ladder, config)
@@ -160,7 +174,7 @@ def launch_training(
             threads=threads,
             timeout_s=spec.timeout_s,
             log_level=logging.getLogger("memplan").getEffectiveLevel(),
-            env=dict(os.environ),
+            env={**os.environ, HELD_ENV: os.path.abspath(out_dir)},
         )
         try:
             with _quiet_agent():

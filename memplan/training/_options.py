@@ -131,7 +131,11 @@ class TrainOptions:
     out_dir: Path = Path("memplan-run")
     """Where ``model.pt``, ``checkpoint.pt``, ``metrics.jsonl`` and ``summary.json`` go."""
     resume: bool = False
-    """Continue from ``out_dir/checkpoint.pt`` if it exists (else start afresh)."""
+    """Continue from ``out_dir/checkpoint.pt`` if it exists (else start afresh, with a warning).
+    Without it, a folder holding another run's results is refused (see ``overwrite``)."""
+    overwrite: bool = False
+    """Start afresh in an ``out_dir`` that holds another run's results, deleting them first
+    (its checkpoints, weights, metrics, summary and report)."""
     seed: int = 0
     """Seeds model initialisation, dropout and the data order."""
     device: str = "cpu"
@@ -194,6 +198,9 @@ class TrainOptions:
             raise ConfigError(f"TrainOptions.ema_decay must be in (0, 1) or None, got {self.ema_decay!r}")
         if self.monitor_mode not in (None, "min", "max"):
             raise ConfigError(f"TrainOptions.monitor_mode must be 'min', 'max' or None, got {self.monitor_mode!r}")
+        if self.resume and self.overwrite:
+            raise ConfigError(f"resume (continue the run in {self.out_dir}) and overwrite (replace it) contradict "
+                              "each other; give one of them")
         if self.max_nonfinite < 1:
             raise ConfigError(f"TrainOptions.max_nonfinite must be >= 1, got {self.max_nonfinite!r}")
         try:

@@ -43,6 +43,7 @@ from estimators import (
 )
 
 from .._schedules import ExternalSchedule, LRSchedule, make_schedule
+from ._checkpoint_io import out_of_space
 from ._checkpoints import _Checkpoints
 from ._data import _Loaders, _seed_everything, _Window
 from ._distributed import _RankAgreement
@@ -51,6 +52,7 @@ from ._metrics import _Metrics, _write_json_atomic
 from ._monitor import TrainingMonitor
 from ._oom import _InProcessRecovery
 from ._options import TrainOptions
+from ._out_dir import check_out_dir, claim_out_dir
 from ._recovery import _Snapshot, ladder_configs, ladder_peaks
 from ._signals import _Signals
 from ._state import TrainResult, TrainState
@@ -119,6 +121,23 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         return self.state.step
 
     def run(self) -> TrainResult:
+        # Rank 0 holds the folder for the run (a launch's ranks leave it to their launcher):
+        # two runs writing into one folder would interleave their logs and weights.
+        with claim_out_dir(self.out_dir, "out_dir") if self.is_main else contextlib.nullcontext():
+            if self.is_main and not self.options.resume:
+                check_out_dir(self.out_dir, resume=False, overwrite=self.options.overwrite,
+                              flags=("resume=True", "overwrite=True"))
+            try:
+                return self._run()
+            except OSError as exc:
+                # A full disk under the log or the summary: one line that says so (the
+                # checkpoints' own writes say it themselves).
+                full = out_of_space(exc, exc.filename or self.metrics_path)
+                if full is None:
+                    raise
+                raise full from None
+
+    def _run(self) -> TrainResult:
         t0 = time.perf_counter()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._setup_data()
