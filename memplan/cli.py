@@ -8,6 +8,7 @@ in ``_cli_commands``, their shared arguments in ``_cli_args``); ``main(argv) -> 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command].run(args)
     except MemplanError as exc:
         sys.stderr.write(f"memplan: {exc}\n".replace("\n", " ").rstrip() + "\n")
+        return 2
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        # A full disk met outside the trainer (a plan, a report): one line, not a traceback.
+        sys.stderr.write(f"memplan: could not write {exc.filename or 'a file'}: {exc.strerror}; free some "
+                         "space and run the command again (fit/train: with --resume)\n")
         return 2
     except KeyboardInterrupt as exc:
         # A search says what it kept and how to go on (SearchInterrupted); a bare Ctrl-C elsewhere

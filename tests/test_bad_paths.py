@@ -80,3 +80,38 @@ def test_a_plan_saved_to_a_folder_is_refused_and_leaves_no_temporary_file(tmp_pa
         plan.save(tmp_path)
     assert list(Path(tmp_path.parent).glob(f"{tmp_path.name}.tmp")) == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_under_the_log_is_one_line(write_model, tmp_path, capsys):
+    # /dev/full: every write fails as on a full disk (ENOSPC, from the kernel).
+    path = write_model(MODEL)
+    err = _one_line(capsys, ["fit", path, "--vram", "1GB", "--global-batch", "8", "--trials", "2", "--probe-top", "0",
+                             "--compile-top", "0", "--max-steps", "2", "--no-progress", "--out", str(tmp_path / "run"),
+                             "--metrics-path", "/dev/full"])
+    assert "could not write /dev/full: no space left on its disk" in err and "--resume" in err
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line_and_leaves_no_partial_file(write_model, tmp_path):
+    # A real failed write of checkpoint.pt: the process may write files of 10 kB at most (the
+    # kernel refuses the rest with EFBIG, as a full disk refuses with ENOSPC).
+    import subprocess
+    import sys
+
+    path = write_model(MODEL.replace("nn.Linear(16, 3)", "nn.Linear(16, 3), nn.Linear(3, 3)"))
+    out = tmp_path / "run"
+    script = (
+        "import resource, signal, sys\n"
+        "from memplan.cli import main\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))\n"
+        f"sys.exit(main(['train', {path!r}, '--plan', {str(tmp_path / 'plan.json')!r}, '--out', {str(out)!r},"
+        " '--max-steps', '2', '--no-progress']))\n"
+    )
+    assert main(["plan", path, "--vram", "1GB", "--global-batch", "8", "--trials", "2", "--probe-top", "0",
+                 "--compile-top", "0", "--out", str(tmp_path / "plan.json")]) == 0
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memplan: could not write ") and "checkpoint.pt" in last, done.stderr
+    assert "larger than this process may write" in last and "Traceback" not in done.stderr
+    assert not list(out.glob(".checkpoint.pt.*.tmp"))  # no half-written file left behind

@@ -32,11 +32,13 @@ does. A crafted folder is refused in one line before anything in it is unpickled
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -44,18 +46,58 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from estimators import ConfigError
+from estimators import ConfigError, TrainingError, format_size
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "previous_path", "DamagedCheckpointError",
+           "OutOfSpaceError", "out_of_space",
            "SHARDED_DIR", "save_sharded", "load_sharded", "remove_stale_sharded", "sharded_folder",
            "read_sharded_metadata"]
 
 
 class DamagedCheckpointError(ConfigError):
     """A checkpoint file that cannot be read (cut short, overwritten, not a checkpoint)."""
+
+
+class OutOfSpaceError(TrainingError):
+    """A file of the run could not be written: its disk (or quota) is full."""
+
+
+def out_of_space(exc: BaseException, path: str | os.PathLike[str]) -> OutOfSpaceError | None:
+    """The one-line error for a write of ``path`` that failed for lack of space (a full disk,
+    a used-up quota, the process's file-size limit), or None when ``exc`` is another failure.
+    torch's own writer reports a full disk as a ``RuntimeError`` ("file write failed") without
+    the OS's error number; the free space then tells."""
+    target = Path(path)
+    code = exc.errno if isinstance(exc, OSError) else None
+    if isinstance(exc, RuntimeError) and "write failed" in str(exc) and _free_bytes(target.parent) < _NEARLY_FULL:
+        code = errno.ENOSPC
+    if code == errno.ENOSPC:
+        free = _free_bytes(target.parent)
+        why = "no space left on its disk" + (f" ({format_size(free)} free)" if free >= 0 else "")
+        fix = "free some space (or write into a folder on another disk)"
+    elif code == errno.EDQUOT:
+        why, fix = "the disk quota is used up", "free some of the quota (or write into another folder)"
+    elif code == errno.EFBIG:
+        why, fix = "it would be larger than this process may write (ulimit -f)", "raise the limit"
+    else:
+        return None
+    return OutOfSpaceError(f"could not write {target}: {why}; {fix} and continue with --resume: "
+                           "the checkpoints already written are whole")
+
+
+_NEARLY_FULL = 16 * 2**20
+"""Less than this free after a failed write: the disk was full (a write fails at the block it
+cannot place, and the file system keeps a few blocks back)."""
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return int(shutil.disk_usage(folder).free)
+    except OSError:
+        return -1
 
 
 def previous_path(path: str | os.PathLike[str]) -> Path:
@@ -88,13 +130,16 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, keep_previous: bo
             # load_latest_checkpoint reads.
             os.replace(target, previous_path(target))
         os.replace(tmp_name, target)
-    except BaseException:
+    except BaseException as exc:
         # Whatever went wrong (disk full, KeyboardInterrupt), the old checkpoint is untouched;
         # only the temporary file is ours to clean up.
         try:
             os.unlink(tmp_name)
         except FileNotFoundError:
             pass
+        full = out_of_space(exc, target)
+        if full is not None:
+            raise full from None
         raise
     _fsync_dir(target.parent)
     return target
