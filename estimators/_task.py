@@ -18,6 +18,8 @@ A model file is a plain Python file; memplan imports it and looks up:
                                             ``(H, W)``), so that no item is read to find them
 ``settings``                                optional dict: global_batch, epochs, max_steps, lr,
                                             weight_decay, warmup_steps, target, …
+                                            (``estimators._settings``: checked where the task
+                                            is made)
 
 The optimizer factory receives only the parameters that require gradients, so frozen parts
 get no optimizer state.
@@ -44,6 +46,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
 from ._errors import ConfigError, ModelFileError
+from ._settings import check_settings, warn_ignored
 from ._shapes import (
     POLICIES,
     ItemSize,
@@ -147,6 +150,13 @@ class Task:
     Values of several kinds (the user's dataset and batches among them), each read back only
     by the helper that stored it under its key."""
 
+    def __post_init__(self) -> None:
+        # Every task is made here (load_task, from_module, Task(...), dataclasses.replace):
+        # its settings are checked once more for each copy, the user's own keys warned of once.
+        ignored = check_settings(self.settings, self.name)
+        if ignored:
+            warn_ignored(ignored, self.name, task=self.source_path or self.name)
+
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_module(
@@ -194,9 +204,11 @@ class Task:
         if not params:
             raise ModelFileError(f"{self.name}: the model has no parameters that require grad; nothing to train")
         if self.build_optimizer is None:
-            lr = float(self.settings.get("lr", 1e-3))
-            wd = float(self.settings.get("weight_decay", 0.01))
-            return default_optimizer(params, lr=lr, weight_decay=wd)
+            # Checked where the task was made (estimators._settings): a number, None, or lr
+            # "auto", which the trainer replaces by lr-find's suggestion once a plan is chosen.
+            lr, wd = self.settings.get("lr"), self.settings.get("weight_decay")
+            return default_optimizer(params, lr=1e-3 if lr is None or isinstance(lr, str) else float(lr),
+                                     weight_decay=0.01 if wd is None else float(wd))
         opt = self.build_optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ModelFileError(

@@ -100,7 +100,8 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
         raise ConfigError(f"lr-find: need 0 < --start-lr < --end-lr, got {start_lr} and {end_lr}")
     task = load_task(model) if isinstance(model, str) else model
     precision = normalize_precision(precision)
-    b = batch_size or int(task.settings.get("global_batch", DEFAULT_GLOBAL_BATCH))
+    # settings["global_batch"]: a whole number >= 1 or None (checked where the task was made).
+    b = batch_size or int(task.settings.get("global_batch") or DEFAULT_GLOBAL_BATCH)
     n = task.dataset_size() or b
     torch.manual_seed(seed)
     net = task.build_model().to(device).train()
