@@ -12,7 +12,7 @@ plus ``global_batch``, ``weight_decay`` and ``target``. :func:`check_settings` r
 * a key that is neither is the user's own (settings may hold them): returned, and
   :func:`warn_ignored` says once that memplan ignores it.
 
-``None`` means "not set" (the default) for every checked key but ``warmup_steps``.
+``None`` means "not set" (the default) for every checked key.
 
 This module is below memplan and does not import it: :data:`SETTINGS_KEYS` is a literal, which
 ``tests/test_settings_check.py`` keeps equal to the options memplan has.
@@ -105,11 +105,6 @@ _CHECKS: dict[str, tuple[Callable[[Setting], bool], str, str]] = {
 """The keys checked here: ``(accepts, what it must be, an example)``. The other options are
 checked by ``memplan._options.resolve_options``, where options are resolved."""
 
-_NONE_REFUSED = frozenset({"warmup_steps"})
-"""Checked keys for which ``None`` is not "unset": the trainer reads ``settings["warmup_steps"]``
-with ``int()`` when no option sets it, so a ``None`` there would fail in the run."""
-
-
 def _shown(value: Setting) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -129,7 +124,7 @@ def check_settings(settings: Mapping[str, Setting], where: str) -> tuple[str, ..
     for key, value in settings.items():
         if key in SETTINGS_KEYS:
             check = _CHECKS.get(key)
-            if check is not None and (value is not None or key in _NONE_REFUSED) and not check[0](value):
+            if check is not None and value is not None and not check[0](value):
                 accepts, what, example = check
                 unquoted = _as_number(value) if isinstance(value, str) else None
                 if unquoted is not None and accepts(unquoted):

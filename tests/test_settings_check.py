@@ -74,7 +74,6 @@ REFUSED = {
     "epochs fraction": ({"epochs": 2.5}, "epochs"),
     "max_steps word": ({"max_steps": "many"}, "max_steps"),
     "warmup negative": ({"warmup_steps": -1}, "warmup_steps"),
-    "warmup none": ({"warmup_steps": None}, "warmup_steps"),  # the trainer reads it with int()
     "decay negative": ({"weight_decay": -1}, "weight_decay"),
     "decay quoted": ({"weight_decay": "0.1"}, "weight_decay"),
     "target word": ({"target": "high"}, "target"),

@@ -434,7 +434,7 @@ def test_drop_last_skips_the_short_last_window_of_each_epoch(tmp_path: Path) -> 
     assert part.steps == 4 and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConfigError, match="drop_last"):
         train(tiny_task(21, val=None), config, opts(tmp_path, "part", epochs=3, resume=True, **c))
-    with pytest.raises(ConfigError, match="TrainOptions.drop_last leaves no step"):
+    with pytest.raises(ConfigError, match=r"global batch of 8 .* is larger than .*'s 5 training items"):
         train(tiny_task(5, val=None), config, opts(tmp_path, "few", epochs=1, drop_last=True))
 
 

@@ -282,7 +282,7 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
             schedule = ExternalSchedule(made, self.optimizer, name=task.name)
             self.schedule_needs_val = schedule.on_metric
             return schedule
-        warmup = opts.warmup_steps if opts.warmup_steps is not None else int(task.settings.get("warmup_steps", 0))
+        warmup = opts.warmup_steps if opts.warmup_steps is not None else int(task.settings.get("warmup_steps") or 0)
         name = opts.schedule or "cosine"
         if name == "onecycle" and opts.pct_start is not None and opts.warmup_steps is None:
             warmup = 0  # pct_start sets the rise; the model file's default warm-up gives way to it
