@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset
 
@@ -86,10 +87,8 @@ def module_fingerprint(module: nn.Module, sample_fn: Callable[[int], Batch] | No
     trainability, and the shapes and dtypes of a sample batch. Two models of one class but
     other sizes, or other frozen parts, or other inputs, never share a study."""
     h = hashlib.sha256(repr(module).encode())
-    for name, p in module.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}".encode())
-    for name, b in module.named_buffers():
-        h.update(f"{name}:{tuple(b.shape)}:{b.dtype}".encode())
+    for line in _tensor_lines(module):
+        h.update(line.encode())
     try:
         if sample_fn is not None:
             batch = sample_fn(2)
@@ -102,6 +101,36 @@ def module_fingerprint(module: nn.Module, sample_fn: Callable[[int], Batch] | No
     except Exception:  # noqa: BLE001 - a batch that cannot be made fails later, with its own message
         pass
     return "module-" + h.hexdigest()[:16]
+
+
+def structure_fingerprint(module: nn.Module) -> tuple[int, str]:
+    """The module's parameter count and a short hash of each parameter's and buffer's name,
+    shape, dtype and trainability: what a plan was made for, whatever the weights' values and
+    the device (a model built on meta has the fingerprint of the same model built for real).
+    Unlike ``module_fingerprint`` it leaves out the repr and the inputs: two files that build
+    the same parameters agree."""
+    h = hashlib.sha256()
+    count = 0
+    for line in _tensor_lines(module):
+        h.update(line.encode())
+    for p in module.parameters():
+        count += 0 if is_lazy(p) else p.numel()
+    return count, h.hexdigest()[:16]
+
+
+def _tensor_lines(module: nn.Module) -> list[str]:
+    """One line per parameter (name, shape, dtype, trainability) and per buffer (name, shape,
+    dtype; ``:grad`` when one requires grad, which buffers rarely do): what both fingerprints
+    hash."""
+    lines = [f"{name}:{_shape(p)}:{p.dtype}:{p.requires_grad}" for name, p in module.named_parameters()]
+    lines += [f"{name}:{_shape(b)}:{b.dtype}" + (":grad" if b.requires_grad else "")
+              for name, b in module.named_buffers()]
+    return lines
+
+
+def _shape(t: torch.Tensor) -> str:
+    """The tensor's shape; ``lazy`` for a lazy module's parameter, whose shape is not known yet."""
+    return "lazy" if is_lazy(t) else str(tuple(t.shape))
 
 
 def _cached_dataset(task: Task) -> Dataset | None:

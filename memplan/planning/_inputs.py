@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from estimators import ConfigError, Estimator, Task, detect_local_gpu, load_task, parse_size
+from estimators import ConfigError, Estimator, Task, detect_local_gpu, format_size, load_task, parse_size
 
-__all__ = ["host_budget_for", "resolve_task", "estimator_for", "default_budget", "budget_for", "meta_model",
-           "can_probe"]
+__all__ = ["host_budget_for", "resolve_task", "estimator_for", "default_budget", "budget_for", "vram_beyond_device",
+           "meta_model", "can_probe"]
 
 
 _ESTIMATORS: weakref.WeakKeyDictionary[Task, dict[tuple[str | None, str | None], Estimator]] = (
@@ -96,10 +96,53 @@ def host_budget_for(host_memory: int | str | None) -> int:
         if value <= 0:
             raise ConfigError("--host-memory must be more than 0 bytes; e.g. --host-memory 64GB")
         return value
+    ram = _physical_ram()
+    return ram if ram is not None else 16 * 10**9
+
+
+def vram_beyond_device(estimator: Estimator, budget: int, gpu: str | None) -> str | None:
+    """One line when the budget (``--vram``) is more memory than the target can have: this
+    machine's RAM for its CPU, the total memory of its GPU, or the memory of the card named by
+    ``gpu`` (``--gpu``); None when it is not, or the target's memory is not known. Not a
+    refusal: a plan for a bigger machine may be meant, and the line names ``--gpu`` for that."""
+    asked = format_size(budget)
+    if estimator.device == "cpu":
+        ram = _physical_ram()
+        if ram is None or budget <= ram:
+            return None
+        return (f"--vram {asked} is more than this machine's {format_size(ram)} of memory; the plan assumes memory "
+                "it does not have (to plan for a GPU that is not here, name it with --gpu)")
+    spec = estimator.spec
+    if spec is None:
+        return None
+    if gpu is not None:
+        if budget <= spec.memory_bytes:
+            return None
+        return (f"--vram {asked} is more than the {_card_size(spec.memory_bytes)} of the --gpu {spec.name}; the plan "
+                "assumes memory the card does not have (name a bigger card with --gpu)")
+    total = spec.memory_bytes
+    if torch.cuda.is_available() and _local_matches(estimator):
+        try:
+            total = int(torch.cuda.mem_get_info()[1])
+        except RuntimeError:
+            pass
+    if budget <= total:
+        return None
+    return (f"--vram {asked} is more than the {_card_size(total)} of this machine's GPU ({spec.name}); the plan "
+            "assumes memory it does not have (to plan for a bigger card, name it with --gpu)")
+
+
+def _card_size(n: int) -> str:
+    """A card's memory as --vram reads it (GB) and as cards are sold (GiB): ``85.9 GB (80.0 GiB)``."""
+    return f"{format_size(n)} ({format_size(n, binary=True)})"
+
+
+def _physical_ram() -> int | None:
+    """This machine's physical RAM in bytes (None where the OS does not say)."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        return 16 * 10**9
+        return None
 
 
 def _local_matches(estimator: Estimator) -> bool:

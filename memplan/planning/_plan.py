@@ -17,15 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from tabulate import tabulate
 
-from estimators import ConfigError, Estimate, TrainConfig, format_size
+from estimators import ConfigError, Estimate, Task, TrainConfig, format_size
+from estimators._task_data import structure_fingerprint
 
 from .._version import __version__
+from ._inputs import meta_model
 
-__all__ = ["PlanEntry", "Plan", "provenance", "needed_bytes", "RACED_NOTE", "ANCHORED_NOTE", "BASES"]
+__all__ = ["PlanEntry", "Plan", "provenance", "check_plan_model", "needed_bytes", "RACED_NOTE", "ANCHORED_NOTE",
+           "BASES"]
 
 PLAN_FORMAT = 1
+
+_RECREATE = "re-create it with memplan plan MODEL.py --out plan.json"
+"""The fix of a plan file that contradicts itself (``Plan.load`` names the file)."""
 
 RACED_NOTE = "time: median of"
 """How an estimate's note begins when its step time was measured by a race, not predicted."""
@@ -121,8 +128,19 @@ def _optional_bool(value: Any, name: str) -> bool | None:
     raise ConfigError(f"{name} must be true, false or null, got {value!r}; re-create the plan with memplan plan --out")
 
 
-def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None) -> dict[str, Any]:
-    return {
+def _optional_int(value: Any, name: str) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{name} must be a whole number or null, got {value!r}; {_RECREATE}")
+
+
+def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None,
+               structure: tuple[int, str] | None = None, model_name: str | None = None) -> dict[str, Any]:
+    """Where the plan comes from. ``source_hash`` is the model file's (or, for an in-memory
+    module, ``module_fingerprint``'s); ``structure`` the model's ``structure_fingerprint``
+    (parameter count, hash of the parameters' and buffers' names, shapes, dtypes and
+    trainability): what ``check_plan_model`` holds a model to train against."""
+    out: dict[str, Any] = {
         "memplan": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -130,9 +148,85 @@ def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_
         "gpu": gpu,
         "model_file": source_path,
         "model_file_sha256_16": source_hash,
-        "host": platform.node(),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if model_name is not None:
+        out["model_name"] = model_name
+    if structure is not None:
+        out["model_parameters"], out["model_structure_sha256_16"] = structure
+    out["host"] = platform.node()
+    out["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return out
+
+
+def check_plan_model(plan: Plan, task: Task, model: nn.Module | None = None, *,
+                     plan_file: str | os.PathLike[str] | None = None) -> list[str]:
+    """Whether ``plan`` was made for ``task``'s model: the warnings to show (``[]``: it was).
+
+    The same model file (or in-memory module's fingerprint) as the plan's provenance records:
+    ``[]``, nothing built. Otherwise the model (``model``, as the task builds it before any
+    wrapping or conversion; else built on meta) is held to the structure the plan recorded:
+    another parameter count, or other names, shapes, dtypes or trainability, raise
+    :class:`ConfigError` (its predictions are for another model); the same structure from an
+    edited file is one warning line, as is a plan written before structures were recorded
+    whose model file differs. ``plan_file`` names the plan in the messages."""
+    prov = plan.provenance
+    recorded = prov.get("model_file_sha256_16")
+    if recorded is not None and recorded == task.source_hash:
+        return []
+    name = Path(plan_file).name if plan_file is not None else "the plan"
+    theirs, ours = _recorded_model(prov), _task_model(task)
+    fix = _plan_again(task, plan_file)
+    params, digest = prov.get("model_parameters"), prov.get("model_structure_sha256_16")
+    if not isinstance(params, int) or not isinstance(digest, str):
+        if recorded is None and task.source_hash is None:
+            return []  # nothing recorded, nothing to compare
+        return [f"{name} records no model structure (an older plan) and was made from {_made_from(theirs, ours)} "
+                f"({_which_hash(task)} differs): its predictions may not hold; plan again if the model changed: {fix}"]
+    count, mine = structure_fingerprint(model if model is not None else meta_model(task))
+    if params != count:
+        raise ConfigError(f"{name} was made for a model of {params:,} parameters ({theirs}), not this one of "
+                          f"{count:,} ({ours}); plan it with {fix}")
+    if digest != mine:
+        raise ConfigError(f"{name} was made for another model of {count:,} parameters ({theirs}): its parameters' or "
+                          f"buffers' names, shapes, dtypes or trainability differ from this one's ({ours}); "
+                          f"plan it with {fix}")
+    if recorded is None and task.source_hash is None:
+        return []
+    return [f"{name} was made from {_made_from(theirs, ours)} ({_which_hash(task)} differs; the parameters' names, "
+            f"shapes and dtypes are the same): the predictions may no longer hold; plan again if the model changed: "
+            f"{fix}"]
+
+
+def _recorded_model(prov: Mapping[str, Any]) -> str:
+    """The model the plan was made for, in a few words: its file's name, or the module's."""
+    if prov.get("model_file"):
+        return Path(str(prov["model_file"])).name
+    return str(prov.get("model_name") or "an in-memory model")
+
+
+def _task_model(task: Task) -> str:
+    return Path(task.source_path).name if task.source_path else task.name
+
+
+def _made_from(theirs: str, ours: str) -> str:
+    return f"another version of {ours}" if theirs == ours else f"{theirs}, not {ours}"
+
+
+def _which_hash(task: Task) -> str:
+    return "the file's hash" if task.source_path else "the module's fingerprint of its layers and inputs"
+
+
+def _plan_again(task: Task, plan_file: str | os.PathLike[str] | None) -> str:
+    """The command that plans ``task`` again into ``plan_file``."""
+    if not task.source_path:
+        return "memplan.search(model, ...) for this model"
+    try:
+        model = os.path.relpath(task.source_path)
+    except ValueError:  # another drive
+        model = task.source_path
+    if model.startswith(os.pardir):
+        model = task.source_path
+    return f"memplan plan {model} --out {os.fspath(plan_file) if plan_file is not None else 'plan.json'}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,8 +251,32 @@ class Plan:
     it was measured not to be, None when not evaluated (no device to probe; see the notes)."""
 
     def __post_init__(self) -> None:
+        # What a plan file says must agree with itself: a hand-edited entry (another micro-batch
+        # than its figures are for, a global batch the plan did not fix) trains something the
+        # plan never predicted.
         if not self.entries:
-            raise ConfigError("a Plan needs at least one feasible configuration")
+            raise ConfigError(f"the plan has no configurations; {_RECREATE}")
+        if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes <= 0:
+            raise ConfigError(f"the plan's budget_bytes must be a number of bytes above 0, got {self.budget_bytes!r}; "
+                              f"{_RECREATE}")
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"the plan's margin must be in [0, 1), got {self.margin!r}; {_RECREATE}")
+        for rank, e in enumerate(self.entries, 1):
+            c = e.config
+            if self.global_batch is not None and c.global_batch != self.global_batch:
+                raise ConfigError(
+                    f"entry #{rank} ({c.describe()}) makes a global batch of {c.global_batch} (micro-batch "
+                    f"{c.micro_batch_size} x {c.grad_accum_steps} accumulation x {c.world_size} "
+                    f"process{'es' if c.world_size != 1 else ''}), not the "
+                    f"plan's global batch of {self.global_batch}; {_RECREATE}")
+            for what, est in (("predicted", e.predicted), ("measured", e.measured)):
+                if est is not None and est.config != c:
+                    raise ConfigError(f"entry #{rank}'s configuration ({c.describe()}) is not the one its {what} "
+                                      f"figures are for ({est.config.describe()}); {_RECREATE}")
+        if self.best.peak_bytes > self.budget_bytes:
+            raise ConfigError(f"the chosen configuration (entry #1, {self.config.describe()}) needs "
+                              f"{format_size(self.best.peak_bytes)}, more than the plan's budget of "
+                              f"{format_size(self.budget_bytes)}; {_RECREATE}")
 
     @property
     def best(self) -> PlanEntry:
@@ -235,7 +353,7 @@ class Plan:
             margin=float(data["margin"]),
             device=data["device"],
             gpu=data.get("gpu"),
-            global_batch=data.get("global_batch"),
+            global_batch=_optional_int(data.get("global_batch"), "global_batch"),
             trials=int(data.get("trials", 0)),
             provenance=dict(data.get("provenance", {})),
             notes=tuple(data.get("notes", ())),

@@ -136,8 +136,11 @@ def _anchored(entry: PlanEntry, anchor: PlanEntry, scale: float) -> PlanEntry:
 
 def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *, budget: int, margin: float,
                global_batch: int | None, tried: int, failed: Mapping[TrainConfig, str],
-               notes: Sequence[str], compile: bool | None = None) -> Plan:
-    """The Plan of the ranked ``entries``, its notes closed by one line on the failures."""
+               notes: Sequence[str], compile: bool | None = None,
+               structure: tuple[int, str] | None = None) -> Plan:
+    """The Plan of the ranked ``entries``, its notes closed by one line on the failures.
+    ``structure``: the model's ``structure_fingerprint`` (from the model on meta), recorded in
+    the provenance for ``check_plan_model``."""
     summary = summarize_failures(failed)
     gpu = estimator.spec.name if estimator.spec else None
     return Plan(
@@ -150,7 +153,8 @@ def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *
         trials=tried,
         failures=failed,
         provenance=provenance(device=estimator.device, gpu=gpu,
-                              source_hash=task.source_hash, source_path=task.source_path),
+                              source_hash=task.source_hash, source_path=task.source_path,
+                              structure=structure, model_name=task.name),
         notes=(*notes, *((summary,) if summary else ())),
         compile=compile,
     )

@@ -13,6 +13,7 @@ the device at hand — the two best raced step against step (``._races``), the o
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypedDict
@@ -22,10 +23,19 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from estimators import ConfigError, Estimate, Estimator, Task, TrainConfig, prestart
+from estimators._task_data import structure_fingerprint
 from estimators._types import Batch, Item
 
 from ._compile import evaluate_compile
-from ._inputs import budget_for, can_probe, estimator_for, host_budget_for, meta_model, resolve_task
+from ._inputs import (
+    budget_for,
+    can_probe,
+    estimator_for,
+    host_budget_for,
+    meta_model,
+    resolve_task,
+    vram_beyond_device,
+)
 from ._objective import Objective, optimize
 from ._plan import Plan
 from ._probes import probe_best
@@ -154,8 +164,13 @@ def search(
     if limit < 1:
         raise ConfigError(f"--vram {budget} B leaves nothing once the {margin:.0%} margin is kept; "
                           "give the device's memory, e.g. --vram 12GB")
-    blocks_model = meta_model(task)
     notes: list[str] = []
+    beyond = vram_beyond_device(estimator, budget, gpu) if vram is not None else None
+    if beyond is not None:  # planned as asked (a bigger machine may be meant), but said
+        logging.getLogger("memplan").warning(beyond)
+        notes.append(beyond)
+    blocks_model = meta_model(task)
+    structure = structure_fingerprint(blocks_model)  # before anything the search does to the model
     space = space_for(
         task,
         estimator,
@@ -231,6 +246,7 @@ def search(
         failed=failed,
         notes=notes,
         compile=compiled,
+        structure=structure,
     )
     if plot is not None:
         from .._plots import record_plan_plot
