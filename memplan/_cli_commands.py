@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from estimators import Estimator, Task, load_task, parse_count
@@ -150,24 +149,10 @@ class PlanCommand:
 
 
 def _lr_auto(args: argparse.Namespace, task: Task) -> bool:
-    """``--lr auto`` (or ``lr = "auto"`` in the config or the settings): the learning rate is
-    memplan lr-find's suggestion on the chosen plan, found once the plan is known."""
-    config = getattr(args, "config_values", None) or {}
-    given = getattr(args, "option_lr", None)
-    if given is None:
-        given = config.get("lr", task.settings.get("lr"))
-    return isinstance(given, str) and given.strip().lower() == "auto"
+    """``--lr auto`` (or ``lr = "auto"`` in the config or the settings)."""
+    from ._fit import wants_auto_lr
 
-
-def _with_plan(args: argparse.Namespace, options: TrainOptions, task: Task, plan: Plan) -> TrainOptions:
-    """The options for training ``plan``: its device, and the learning rate lr-find suggests
-    for its configuration when ``--lr auto`` was asked for."""
-    options = replace(options, device=plan.device)
-    if _lr_auto(args, task):
-        from ._lr_find import auto_lr
-
-        options = replace(options, lr=float(auto_lr(task, plan.config, plan.device)))
-    return options
+    return wants_auto_lr(getattr(args, "option_lr", None), getattr(args, "config_values", None) or {}, task.settings)
 
 
 def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOptions:
@@ -180,7 +165,7 @@ def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOp
     # Strings, and True/False from the --flag/--no-flag options (None: not given).
     cli: dict[str, str | bool | None] = {spec.name: getattr(args, spec.dest, None) for spec in option_specs()}
     if _lr_auto(args, task):
-        # Found on the plan, after the search (see _with_plan); none until then.
+        # Found on the plan, after the search (fit's options_for_plan); none until then.
         cli["lr"] = None
         config = {k: v for k, v in (config or {}).items() if k != "lr"} if config is not None else None
         settings = {k: v for k, v in settings.items() if k != "lr"}
@@ -257,8 +242,8 @@ class FitCommand:
     def run(self, args: argparse.Namespace) -> int:
         from estimators import ConfigError
 
-        from ._fit import layout_kwargs, resumed_plan, run_folder, train_plan
-        from .planning import resolve_task, search
+        from ._fit import fit, resumed_plan
+        from .planning import resolve_task
 
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
         gpus, nodes = layout_from(args)
@@ -275,24 +260,14 @@ class FitCommand:
         spec = launch_spec(args, nproc if nproc is not None else gpus)
         task = resolve_task(args.model)
         options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
-        task = task.with_step(options.step_options())  # the step the trainer will run is the one estimated
-        said = _compile_said(args, task)
-        # Held from before the search: two runs into one folder would lose each other's results.
-        with run_folder(args.out, resume=args.resume, overwrite=args.overwrite, searches=True,
-                        holder=spec is None or spec.node_rank == 0):
-            plan = resumed_plan(args.out) if args.resume else None
-            if plan is None:
-                kwargs = search_kwargs(args)
-                if said is False:
-                    kwargs["compile_top"] = 0  # --no-compile: compiled probes would measure what will not be trained
-                plan = search(task, progress=not args.no_progress and sys.stderr.isatty(), **kwargs,
-                              **layout_kwargs(spec))
-            else:
-                _check_device(args, plan)
-                _unused_on_resume(args)
-                print(f"resuming the plan in {args.out}/plan.json (no search)")
-            print(plan.table())
-            result = train_plan(task, plan, _with_plan(args, options, task, plan), launch=spec, compile=said)
+        if args.resume and resumed_plan(args.out) is not None:
+            _unused_on_resume(args)
+            print(f"resuming the plan in {args.out}/plan.json (no search)")
+        _plan, result = fit(
+            task, **search_kwargs(args), options=options,
+            lr="auto" if _lr_auto(args, task) else None, compile=_compile_said(args, task), launch=spec,
+            progress=not args.no_progress, on_plan=lambda plan: print(plan.table()),
+        )
         _print_result(result)
         return 0
 
@@ -312,7 +287,7 @@ class TrainCommand:
         add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._fit import run_folder, train_plan
+        from ._fit import options_for_plan, run_folder, train_plan
         from .planning import Plan
 
         task = load_task(args.model)
@@ -325,10 +300,11 @@ class TrainCommand:
             result = train_plan(
                 task,
                 plan,
-                _with_plan(args, options, task, plan),
+                options_for_plan(options, task, plan, auto_lr=_lr_auto(args, task)),
                 vram=args.vram,
                 launch=spec,
                 compile=_compile_said(args, task),
+                plan_file=args.plan,
             )
         _print_result(result)
         return 0

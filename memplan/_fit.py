@@ -6,7 +6,8 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypedDict
@@ -19,11 +20,11 @@ from torch.utils.data import Dataset
 from estimators import ConfigError, MemoryGuard, Task, parse_size
 from estimators._types import Batch, Item
 
-from .planning import Plan, resolve_task, search
+from .planning import Plan, check_plan_model, resolve_task, search
 from .training import LaunchSpec, TrainOptions, TrainResult, launch_training, train
 from .training._out_dir import check_out_dir, claim_out_dir
 
-__all__ = ["fit", "train_plan", "compile_said", "run_folder"]
+__all__ = ["fit", "train_plan", "compile_said", "wants_auto_lr", "options_for_plan", "run_folder"]
 
 
 def compile_said(*levels: Any) -> bool | None:
@@ -37,7 +38,8 @@ def compile_said(*levels: Any) -> bool | None:
 
 
 def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str | None = None,
-               launch: LaunchSpec | None = None, compile: bool | None = None) -> TrainResult | None:
+               launch: LaunchSpec | None = None, compile: bool | None = None,
+               plan_file: str | os.PathLike[str] | None = None) -> TrainResult | None:
     """Train the plan's chosen configuration under the plan's budget (or ``vram``).
 
     ``compile``: what the user said of torch.compile (None: nothing): when nothing, a plan whose
@@ -48,6 +50,9 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
     A DDP/FSDP configuration is launched on ``launch`` (default: the processes the plan needs,
     on this machine); the result is rank 0's (``None`` on the other machines).
     """
+    # Another model's plan is refused; a plan of this model file as it was before an edit is said.
+    for line in check_plan_model(plan, task, plan_file=plan_file):
+        logging.getLogger("memplan").warning("%s", line)
     budget = parse_size(vram, what="--vram") if vram is not None else plan.budget_bytes
     device = options.device if options.device else plan.device
     plan_path = Path(options.out_dir) / "plan.json"
@@ -99,17 +104,24 @@ def fit(
     scheduler: Callable[[torch.optim.Optimizer, int], LRScheduler] | None = None,
     global_batch: int | None = None,
     device: str | None = None,
+    gpu: str | None = None,
     trials: int = 60,
     probe_top: int = 2,
     compile_top: int = 1,
     seed: int = 0,
     storage: str | None = None,
     precisions: Sequence[str] | None = None,
+    strategies: Sequence[str] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     checkpoint_segments: Sequence[int] | None = None,
-    options: TrainOptions | None = None,
-    launch: LaunchSpec | None = None,
+    host_memory: int | str | None = None,
     shape_policy: str = "max",
+    options: TrainOptions | None = None,
+    lr: float | str | None = None,
+    compile: bool | None = None,
+    launch: LaunchSpec | None = None,
+    progress: bool | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
     **option_values: object,
 ) -> tuple[Plan, TrainResult | None]:
     """Search the configurations of ``model`` under ``vram``, then train the best one.
@@ -117,15 +129,21 @@ def fit(
     Returns the plan and the training result; ``options.out_dir`` receives ``plan.json``,
     ``model.pt``, ``metrics.jsonl``, ``summary.json`` and ``checkpoint.pt``. With ``launch``
     (``LaunchSpec(nproc_per_node=2)``), the search plans for ``nproc_per_node x nnodes``
-    devices and the winner is trained on that many processes.
+    devices and the winner is trained on that many processes. ``memplan fit`` is this function.
 
     ``model`` is a model-file path, a ``Task``, or an ``nn.Module`` with ``train_data`` (a
     ``Dataset``; ``sample`` alone can plan but not train), and optionally ``val_data``,
-    ``loss(model, batch)``, ``optimizer(parameters)`` and ``scheduler(optimizer, total_steps)``. Training options are ``options``
-    (a ``TrainOptions``) or its fields as keywords (``epochs=5, ema_decay=0.999``), over the
-    model's ``settings``; ``precisions``, ``micro_batch_sizes`` and ``checkpoint_segments``
-    pin or restrict the search's axes. ``compile_top`` of the best are probed compiled (0: none):
-    when torch.compile measures faster the winner trains compiled, unless ``compile`` was given.
+    ``loss(model, batch)``, ``optimizer(parameters)`` and ``scheduler(optimizer, total_steps)``.
+    The search's keywords are :func:`memplan.search`'s (``precisions``, ``strategies``,
+    ``micro_batch_sizes`` and ``checkpoint_segments`` pin or restrict its axes). Training
+    options are ``options`` (a ``TrainOptions``) or its fields as keywords (``epochs=5,
+    ema_decay=0.999``), over the model's ``settings``; ``seed`` seeds the search and the run.
+    ``lr``: the peak learning rate, or ``"auto"`` (also in the settings): memplan lr-find's
+    suggestion for the chosen plan. ``compile``: True/False trains compiled or not; None (not
+    said, here or in the settings): compiled when the plan's probes measured it faster
+    (``compile_top`` of the best are probed compiled; 0: none). ``on_plan(plan)`` is called
+    once the plan is known, before training; ``progress`` shows the search's and the run's
+    progress bars (default: the options', on a terminal).
 
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
     >>> plan, result = fit(module, train_data=ds, val_data=val, vram="1GB", epochs=5)  # doctest: +SKIP
@@ -139,51 +157,72 @@ def fit(
         )
     if options is not None and option_values:
         raise ConfigError(f"give TrainOptions or its fields as keywords, not both ({', '.join(option_values)})")
-    opts = options or _options_from(task, option_values)
-    with run_folder(opts.out_dir, resume=opts.resume, overwrite=opts.overwrite, searches=True, python=True):
-        return _fit(task, opts, options, option_values, vram=vram, global_batch=global_batch, device=device,
-                    trials=trials, probe_top=probe_top, compile_top=compile_top, seed=seed, storage=storage,
-                    precisions=precisions, micro_batch_sizes=micro_batch_sizes,
-                    checkpoint_segments=checkpoint_segments, launch=launch, shape_policy=shape_policy)
+    # The learning rate and torch.compile, said here, else in the settings (options given
+    # whole carry their own lr; their compile=False cannot be told from the default).
+    auto = wants_auto_lr(lr, option_values, task.settings) if options is None else wants_auto_lr(lr)
+    said = compile_said(compile, option_values, dict(task.settings)) if options is None else compile_said(
+        compile, True if options.compile else None)
+    opts = options if options is not None else _options_from(task, option_values, drop=("lr",) if auto else ())
+    if lr is not None and not auto:
+        opts = replace(opts, lr=_number(lr, "lr") if isinstance(lr, str) else float(lr))
+    opts = replace(opts, seed=seed, compile=bool(said))
+    if progress is not None:
+        opts = replace(opts, progress=progress)
+    with run_folder(opts.out_dir, resume=opts.resume, overwrite=opts.overwrite, searches=True,
+                    python=on_plan is None, holder=launch is None or launch.node_rank == 0):
+        task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
+        plan = resumed_plan(opts.out_dir) if opts.resume else None
+        if plan is not None:
+            if device is not None and device != plan.device.split(":")[0]:
+                raise ConfigError(f"the plan in {opts.out_dir}/plan.json was made for {plan.device}, not device "
+                                  f"{device}; resume on {plan.device.split(':')[0]}, or plan anew (--overwrite)")
+        else:
+            plan = search(
+                task, vram=vram, global_batch=global_batch, device=device, gpu=gpu, trials=trials,
+                probe_top=probe_top, compile_top=0 if said is False else compile_top,  # nothing compiled to measure
+                seed=seed, storage=storage, precisions=precisions, strategies=strategies,
+                micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments,
+                host_memory=host_memory, shape_policy=shape_policy,
+                progress=opts.progress and sys.stderr.isatty(), **layout_kwargs(launch),
+            )
+        if on_plan is not None:
+            on_plan(plan)
+        opts = options_for_plan(opts, task, plan, auto_lr=auto)
+        return plan, train_plan(task, plan, opts, launch=launch, compile=said,
+                                plan_file=Path(opts.out_dir) / "plan.json")
 
 
-def _fit(task: Task, opts: TrainOptions, options: TrainOptions | None, option_values: dict[str, object], *,
-         vram: int | str | None, global_batch: int | None, device: str | None, trials: int, probe_top: int,
-         compile_top: int, seed: int, storage: str | None, precisions: Sequence[str] | None,
-         micro_batch_sizes: Sequence[int] | None, checkpoint_segments: Sequence[int] | None,
-         launch: LaunchSpec | None, shape_policy: str) -> tuple[Plan, TrainResult | None]:
-    """``fit``'s pipeline, in the folder it holds."""
-    task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
-    plan = resumed_plan(opts.out_dir) if opts.resume else None
-    # TrainOptions(compile=False) cannot be told from the default: only compile=True is a word said.
-    said = (
-        (True if options.compile else None) if options is not None else compile_said(option_values, dict(task.settings))
-    )
-    if said is False:
-        compile_top = 0  # compiled probes would measure what will not be trained
-    if plan is None:
-        plan = search(
-            task,
-            vram=vram,
-            global_batch=global_batch,
-            device=device,
-            trials=trials,
-            probe_top=probe_top,
-            compile_top=compile_top,
-            seed=seed,
-            storage=storage,
-            precisions=precisions,
-            shape_policy=shape_policy,
-            micro_batch_sizes=micro_batch_sizes,
-            checkpoint_segments=checkpoint_segments,
-            **layout_kwargs(launch),
-        )
-    opts = replace(opts, device=plan.device, seed=seed)
-    return plan, train_plan(task, plan, opts, launch=launch, compile=said)
+def wants_auto_lr(*levels: Any) -> bool:
+    """Whether the learning rate is memplan lr-find's (``"auto"``): the first of ``levels`` (a
+    value, or a mapping holding ``lr``) that gives one says it."""
+    for level in levels:
+        value = level.get("lr") if isinstance(level, Mapping) else level
+        if value is not None:
+            return isinstance(value, str) and value.strip().lower() == "auto"
+    return False
 
 
-def _options_from(task: Task, values: dict[str, Any]) -> TrainOptions:
-    """``TrainOptions`` from keywords over the task's settings, each checked by name."""
+def options_for_plan(options: TrainOptions, task: Task, plan: Plan, *, auto_lr: bool = False) -> TrainOptions:
+    """The options for training ``plan``: its device, and (``auto_lr``) the learning rate
+    lr-find suggests for its configuration."""
+    options = replace(options, device=plan.device)
+    if auto_lr:
+        from ._lr_find import auto_lr as find
+
+        options = replace(options, lr=float(find(task, plan.config, plan.device)))
+    return options
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{what} must be a number or 'auto', got {text!r}") from None
+
+
+def _options_from(task: Task, values: dict[str, Any], drop: Sequence[str] = ()) -> TrainOptions:
+    """``TrainOptions`` from keywords over the task's settings, each checked by name (those in
+    ``drop``, which ``fit`` resolves itself, left out of the settings)."""
     from ._options import option_specs, resolve_options
 
     known = {spec.name for spec in option_specs()} | set(_FIXED)
@@ -194,9 +233,8 @@ def _options_from(task: Task, values: dict[str, Any]) -> TrainOptions:
             f"known: {', '.join(sorted(known))}"
         )
     fixed = {k: values.pop(k) for k in _FIXED if k in values}
-    options = resolve_options(
-        config=values, config_name="fit()", settings=task.settings, settings_name=task.name, **fixed
-    )
+    settings = {k: v for k, v in task.settings.items() if k not in drop}
+    options = resolve_options(config=values, config_name="fit()", settings=settings, settings_name=task.name, **fixed)
     return options
 
 

@@ -221,13 +221,13 @@ def test_a_race_takes_one_configuration_eager_against_itself_compiled():
 @pytest.mark.parametrize("flags, top, said", [((), 1, None), (("--no-compile",), 0, False),
                                               (("--compile",), 1, True), (("--compile-top", "2"), 2, None)])
 def test_fit_on_the_command_line_passes_what_was_said_of_compiling(tmp_path, monkeypatch, flags, top, said):
-    import memplan.planning
     from memplan import _fit, cli
     path = tmp_path / "tiny.py"
     path.write_text(_TINY)
     plan = search(_LM, vram="1GB", device="cpu", global_batch=8, trials=12, probe_top=0)
     seen: dict = {}
-    monkeypatch.setattr(memplan.planning, "search", lambda task, **kw: seen.update(top=kw["compile_top"]) or plan)
+    # memplan fit is memplan.fit: the search it runs is the one _fit imported.
+    monkeypatch.setattr(_fit, "search", lambda task, **kw: seen.update(top=kw["compile_top"]) or plan)
     monkeypatch.setattr(_fit, "train_plan", lambda *a, **kw: seen.update(said=kw["compile"]))
     assert cli.main(["fit", str(path), "--out", str(tmp_path / "run"), "--no-progress", *flags]) == 0
     assert seen == {"top": top, "said": said}

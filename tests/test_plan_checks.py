@@ -237,3 +237,24 @@ def test_a_vram_above_the_local_gpus_memory_is_said(monkeypatch):
                                                 "GPU (A100-80GB); the plan assumes memory it does not have")
     assert "name it with --gpu" in said
     assert vram_beyond_device(local, 79 * 2**30, None) is None  # type: ignore[arg-type]
+
+
+# -- where plans are trained -------------------------------------------------------------------
+def test_memplan_train_and_a_resumed_fit_refuse_another_models_plan(planned, tmp_path, capsys):
+    from memplan.cli import main
+
+    _model, plan_file = planned
+    other = _write(tmp_path, "other.py", 64)
+    code = main(["train", str(other), "--plan", str(plan_file), "--out", str(tmp_path / "run"), "--max-steps", "1",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "was made for a model of" in err and "other.py" in err, err
+    assert not (tmp_path / "run" / "model.pt").exists()
+    # A fit resumed from a folder whose plan.json is another model's: the same refusal, no search.
+    run = tmp_path / "resumed"
+    run.mkdir()
+    shutil.copy(plan_file, run / "plan.json")
+    code = main(["fit", str(other), "--out", str(run), "--resume", "--max-steps", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "was made for a model of" in err.splitlines()[-1], err
+    assert not (run / "model.pt").exists()
