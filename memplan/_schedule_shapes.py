@@ -1,4 +1,4 @@
-"""The built-in learning-rate shapes (``memplan._schedules`` describes each), by name.
+"""The built-in learning-rate shapes (``memplan.training._schedules`` describes each), by name.
 
 Each is an :class:`LRSchedule` that defines its factor of the base lr after ``t`` optimizer
 steps, the warm-up included; ``plateau`` also observes the monitored metric.

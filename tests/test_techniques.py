@@ -22,7 +22,7 @@ from estimators import ConfigError, ModelFileError, Task, TrainConfig, load_task
 from estimators.runtime._precision import make_grad_scaler
 from estimators._task import default_optimizer
 from memplan.training._checkpoint_io import load_checkpoint
-from memplan._schedules import SCHEDULES, make_schedule
+from memplan.training._schedules import SCHEDULES, make_schedule
 from memplan.training import Trainer, TrainOptions, epoch_permutation, train
 from memplan.nn import DropPath, init_weights
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Task, TrainConfig, TrainingError, load_task
-from memplan._schedules import SCHEDULES, make_schedule
+from memplan.training._schedules import SCHEDULES, make_schedule
 from memplan.training import Trainer, TrainOptions, epoch_permutation, train
 from memplan.training._checkpoint_io import load_checkpoint, save_checkpoint
 

@@ -37,8 +37,8 @@ from ._checkpoint_io import (
 if TYPE_CHECKING:
     from estimators import EMA, Task
 
-    from .._schedules import LRSchedule
     from ._options import TrainOptions
+    from ._schedules import LRSchedule
     from ._state import TrainState
 
 __all__: list[str] = []

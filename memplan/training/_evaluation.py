@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
     from estimators import EMA, Task, TrainConfig
 
-    from .._schedules import LRSchedule
     from ._options import TrainOptions
+    from ._schedules import LRSchedule
     from ._state import TrainState
 
 __all__: list[str] = []

@@ -17,7 +17,7 @@ import torch
 
 from estimators import ConfigError, StepOptions
 
-from .._schedules import SCHEDULE_ARGS, SCHEDULES, ScheduleName
+from ._schedules import SCHEDULE_ARGS, SCHEDULES, ScheduleName
 
 __all__ = ["TrainOptions", "DEFAULT_EPOCHS"]
 
@@ -44,7 +44,7 @@ class TrainOptions:
     schedule: ScheduleName | None = None
     """Learning-rate schedule, stepped once per optimizer step.
     One of cosine, onecycle, step, multistep, exponential, cosine_restarts, plateau, constant
-    (see :mod:`memplan._schedules`). ``None``: the model file's ``scheduler(optimizer,
+    (see :mod:`memplan.training._schedules`). ``None``: the model file's ``scheduler(optimizer,
     total_steps)`` if it defines one, else ``cosine`` (linear warm-up + cosine). A name given
     here is used even when the model file defines ``scheduler()``."""
     schedule_args: Mapping[str, Any] | None = None

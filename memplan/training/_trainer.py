@@ -42,7 +42,6 @@ from estimators import (
     training_loss,
 )
 
-from .._schedules import ExternalSchedule, LRSchedule, make_schedule
 from ._checkpoint_io import out_of_space
 from ._checkpoints import _Checkpoints
 from ._data import _Loaders, _seed_everything, _Window
@@ -54,6 +53,7 @@ from ._oom import _InProcessRecovery
 from ._options import TrainOptions
 from ._out_dir import check_out_dir, claim_out_dir
 from ._recovery import _Snapshot, ladder_configs, ladder_peaks
+from ._schedules import ExternalSchedule, LRSchedule, make_schedule
 from ._signals import _Signals
 from ._state import TrainResult, TrainState
 from ._window import _Step, _WindowOutcome

@@ -63,8 +63,8 @@ import torch
 
 from estimators import ConfigError
 
-from ._lr_schedule import ExternalSchedule, LRSchedule
-from ._schedule_shapes import SHAPES
+from .._lr_schedule import ExternalSchedule, LRSchedule
+from .._schedule_shapes import SHAPES
 
 __all__ = ["ScheduleName", "SCHEDULES", "SCHEDULE_ARGS", "LRSchedule", "ExternalSchedule", "make_schedule"]
 
