@@ -13,16 +13,15 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimators.runtime._guard import MemoryGuard  # noqa: E402
-from estimators.runtime._injection import _EagerMode  # noqa: E402
+from estimators.runtime._guard import MemoryGuard, _EagerMode  # noqa: E402
 
 
 def _benchmark(repeats: int = 7, steps: int = 50) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """OOM recovery: seeded injected OOMs on a small model; recoveries tried/recovered and their cost.
 
 Each run trains a small MLP (6-64-64-2, 40 samples, global batch 8, 2 epochs = 10 optimizer
-steps, evaluation every 3 steps) on the CPU under a ``MemoryGuard`` armed to raise a real
-``torch.OutOfMemoryError`` at a seeded op of a seeded phase (forward, backward, optimizer,
+steps, evaluation every 3 steps) on the CPU under a ``MemoryGuard`` (the tests' ``InjectingGuard``,
+tests/helpers/oom.py) armed to raise a real ``torch.OutOfMemoryError`` at a seeded op of a seeded phase (forward, backward, optimizer,
 evaluation), once or twice. The trainer steps down the ladder (micro-batch 8 -> 4x2 -> 2x4 ->
 1x8) and replays the step. A run counts as recovered when it ends with as many optimizer steps
 as an uninterrupted run and final weights within 1e-5 of it.
@@ -27,11 +27,14 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' OOM injector
+
+from helpers.oom import InjectingGuard  # noqa: E402
 
 from estimators import Task, TrainConfig  # noqa: E402
 from estimators.runtime._guard import MemoryGuard  # noqa: E402
-from memplan.training._checkpoint_io import load_checkpoint  # noqa: E402
 from memplan.training import TrainOptions, train  # noqa: E402
+from memplan.training._checkpoint_io import load_checkpoint  # noqa: E402
 
 BIG = TrainConfig(micro_batch_size=8)
 LADDER = [TrainConfig(micro_batch_size=4, grad_accum_steps=2), TrainConfig(micro_batch_size=2, grad_accum_steps=4),
@@ -84,7 +87,7 @@ def main() -> None:
     for seed in range(args.runs):
         rng = random.Random(seed)
         phase, times = rng.choice(PHASES), rng.choice((1, 1, 2))
-        guard = MemoryGuard(10**12)
+        guard = InjectingGuard(10**12)
         guard.inject(after_ops=rng.randint(1, 60), phase=phase, times=times)
         t0 = time.perf_counter()
         result = train(task(), BIG, options(tmp / f"s{seed}"), memory_guard=guard, ladder=LADDER)

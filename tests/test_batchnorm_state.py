@@ -13,13 +13,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.oom import InjectingGuard, OOMInjector, _Injection
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import TensorDataset
 
 from estimators import Task, TrainConfig
 from estimators.runtime._checkpoint import apply_checkpointing
-from estimators.runtime._guard import MemoryGuard
-from estimators.runtime._injection import _Injection
 from memplan.training import Trainer, TrainOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,8 +165,6 @@ def test_recomputation_leaves_buffers_as_the_forward_left_them(policy: str, bloc
 
 def test_a_recomputation_that_fails_leaves_the_buffers_as_the_forward_left_them() -> None:
     """An OOM at any op of the backward: before, inside or after a block's recomputation."""
-    from _oom import OOMInjector
-
     fired = 0
     for after_ops in range(1, 40):
         torch.manual_seed(0)
@@ -249,7 +246,7 @@ def test_a_window_replayed_after_an_oom_starts_from_its_buffers(tmp_path: Path, 
         # then again in the selectively checkpointed replay's backward, in a recomputation
         "twice": {"after_ops": 22, "phase": "backward", "times": 2},
     }[where]
-    trainer = _FailsAtStep3(task, PLAIN, opts(tmp_path, "oom", max_steps=STEPS), memory_guard=MemoryGuard(10**12),
+    trainer = _FailsAtStep3(task, PLAIN, opts(tmp_path, "oom", max_steps=STEPS), memory_guard=InjectingGuard(10**12),
                             ladder=ladder)
     trainer.inject = inject
     trainer.run()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers.lm import LM_SOURCE
 
 from estimators import ConfigError, Estimator, NoFeasiblePlanError, Task, TrainConfig, get_gpu
 from estimators.probing._measure import measure_distributed_peaks
@@ -15,8 +16,6 @@ from memplan import search
 from memplan.planning._objective import Objective
 from memplan.planning._refusal import state_floor, techniques_used
 from memplan.planning._space import CPU_OFFLOAD, build_space
-
-from _lm import LM_SOURCE  # a test helper, kept out of the package
 
 OFFLOAD = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=1, cpu_offload=True)
 PLAIN = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=1)

@@ -7,13 +7,12 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.lm import LM_SOURCE
 
-from estimators.runtime._checkpoint import find_block_stack
 from estimators import ConfigError, Estimator, TrainConfig, load_task
-from estimators.timing._comm import INTER_NODE_BYTES_PER_S, all_gather_s, all_reduce_s
 from estimators.probing._measure import measure_distributed_peaks
-
-from _lm import LM_SOURCE  # a test helper, kept out of the package
+from estimators.runtime._checkpoint import find_block_stack
+from estimators.timing._comm import INTER_NODE_BYTES_PER_S, all_gather_s, all_reduce_s
 
 pytestmark = pytest.mark.distributed
 

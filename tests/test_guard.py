@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.oom import InjectingGuard, OOMInjector
 
-from estimators.runtime import _guard
 from estimators._errors import ConfigError
+from estimators.runtime import _guard
 from estimators.runtime._guard import MemoryGuard
-
-from _oom import OOMInjector  # noqa: E402 - a test hook, kept out of the package
 
 KB = 1000
 
@@ -39,9 +38,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 
 def test_doctests() -> None:
-    import _oom
+    from helpers import oom
     assert doctest.testmod(_guard).failed == 0
-    assert doctest.testmod(_oom).failed == 0
+    assert doctest.testmod(oom).failed == 0
 
 
 def test_counts_exact_bytes_and_frees() -> None:
@@ -253,7 +252,7 @@ def test_injection_in_backward_only() -> None:
 
 def test_guard_inject_with_phase_labels() -> None:
     model, opt, x, y = make_mlp()
-    guard = MemoryGuard(10**9)
+    guard = InjectingGuard(10**9)
     guard.inject(after_ops=2, phase="optimizer")
     with guard:
         loss = F.cross_entropy(model(x), y)

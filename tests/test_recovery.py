@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from helpers.oom import InjectingGuard
 from torch.utils.data import TensorDataset
 
 from estimators import Task, TrainConfig, TrainingError
 from estimators.runtime._guard import MemoryGuard
+from memplan.training import Trainer, TrainOptions, train
 from memplan.training._checkpoint_io import load_checkpoint
 from memplan.training._recovery import keep_global_batch, next_micro_batch
-from memplan.training import Trainer, TrainOptions, train
 
 _TASKS: list[Task] = []  # estimators caches datasets by id(task): keep every task alive
 
@@ -80,7 +81,7 @@ def test_injected_ooms_at_random_steps_and_phases_always_recover(tmp_path: Path)
         rng = random.Random(seed)
         phase = phases[seed % 4]
         times = 1 + seed % 2  # some runs go down two rungs
-        guard = MemoryGuard(10**12)
+        guard = InjectingGuard(10**12)
         guard.inject(after_ops=rng.randint(1, 40), phase=phase, times=times)
         name = f"seed{seed}"
         result = train(mlp_task(), BIG, opts(tmp_path, name), memory_guard=guard, ladder=LADDER)
@@ -108,7 +109,7 @@ def test_injected_ooms_at_random_steps_and_phases_always_recover(tmp_path: Path)
 
 
 def test_without_a_ladder_an_oom_propagates(tmp_path: Path) -> None:
-    guard = MemoryGuard(10**12)
+    guard = InjectingGuard(10**12)
     guard.inject(after_ops=3, phase="backward")
     with pytest.raises(torch.OutOfMemoryError):
         train(mlp_task(), BIG, opts(tmp_path, "plain"), memory_guard=guard)
@@ -166,7 +167,7 @@ def test_exhausted_ladder_stops_with_a_clear_error_and_keeps_the_last_checkpoint
 
 
 def test_exhausted_on_the_first_step_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
-    guard = MemoryGuard(10**12)
+    guard = InjectingGuard(10**12)
     guard.inject(after_ops=1, phase="optimizer", times=100)
     with pytest.raises(TrainingError, match="ran out of memory at step 1 in optimizer with micro-batch 4"):
         train(mlp_task(), BIG, opts(tmp_path, "first"), memory_guard=guard, ladder=LADDER[:1])
@@ -183,7 +184,7 @@ def test_nothing_leaks_after_recovery(tmp_path: Path) -> None:
             trainer.memory_guard.inject(after_ops=5, phase="backward")  # type: ignore[union-attr]
 
     task = mlp_task(width=64)
-    recovered = run_hooked(task, BIG, opts(tmp_path, "rec", epochs=1), MemoryGuard(10**12), fail_at_step_3, LADDER)
+    recovered = run_hooked(task, BIG, opts(tmp_path, "rec", epochs=1), InjectingGuard(10**12), fail_at_step_3, LADDER)
     assert len(recovered.recoveries) == 1 and recovered.config == LADDER[0]
     fresh = run_hooked(mlp_task(width=64), LADDER[0], opts(tmp_path, "fresh", epochs=1), MemoryGuard(10**12), None,
                        LADDER[1:])
@@ -197,7 +198,7 @@ def test_nothing_leaks_after_recovery(tmp_path: Path) -> None:
 
 
 def test_resume_continues_on_the_recovered_configuration(tmp_path: Path) -> None:
-    guard = MemoryGuard(10**12)
+    guard = InjectingGuard(10**12)
     guard.inject(after_ops=2, phase="forward")
     first = train(mlp_task(), BIG, opts(tmp_path, "run", max_steps=4, epochs=None), memory_guard=guard, ladder=LADDER)
     assert first.summary["config"] == LADDER[0].to_dict()
@@ -319,7 +320,7 @@ def test_steps_down_to_more_checkpointing_and_lower_precision(tmp_path: Path) ->
     ladder = [TrainConfig(micro_batch_size=4, grad_accum_steps=2, checkpoint_segments=2),
               TrainConfig(micro_batch_size=4, grad_accum_steps=2, precision="bf16-mixed", checkpoint_segments=4),
               TrainConfig(micro_batch_size=2, grad_accum_steps=4, precision="fp16-mixed", checkpoint_segments=4)]
-    guard = MemoryGuard(10**12)
+    guard = InjectingGuard(10**12)
     guard.inject(after_ops=3, phase="backward", times=3)
     trainer = Trainer(task, BIG, opts(tmp_path, "down", eval_every=None), memory_guard=guard, ladder=ladder)
     result = trainer.run()

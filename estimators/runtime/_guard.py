@@ -63,7 +63,6 @@ from torch.utils._pytree import tree_flatten
 
 from .._errors import ConfigError
 from .._units import format_size
-from ._injection import _EagerMode, _Injection, _InjectionMode, _op_name, pick_op
 
 __all__ = ["MemoryGuard"]
 
@@ -71,6 +70,26 @@ GuardDevice = Literal["cpu", "cuda"]
 
 Trackable: TypeAlias = "torch.Tensor | nn.Module | torch.optim.Optimizer | Iterable[Trackable]"
 """What :meth:`MemoryGuard.track` counts: tensors, modules, optimizers, or iterables of them."""
+
+
+def _op_name(func: OpOverload) -> str:
+    try:
+        return str(func._overloadpacket)
+    except AttributeError:  # pragma: no cover - every aten op has one
+        return str(func)
+
+
+class _EagerMode(TorchDispatchMode):
+    """A dispatch mode whose ``__torch_dispatch__`` is not wrapped in ``torch._dynamo.disable``.
+
+    The wrapper would import ``torch._dynamo`` on the first op (seconds on a small machine,
+    paid by every probe process) and add a call layer to every op. Without it, a
+    ``torch.compile``d function called under the mode still runs (eagerly, op by op).
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
 
 def _out_tensors(out: object) -> list[torch.Tensor]:
@@ -110,8 +129,6 @@ class _GuardMode(_EagerMode):
         g = self.guard
         t: torch.Tensor | None = None  # the last output counted (dropped before an OOM is raised)
         ret: object = None
-        if g._injection is not None:
-            g._injection.check(func)
         before = g._live
         out = func(*args, **(kwargs or {}))
         aliased = _ALIASED.get(func)
@@ -178,8 +195,6 @@ class MemoryGuard:
         self._live = 0
         self._peak = 0
         self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
-        self._injection: _Injection | None = None
-        self._phase_label = "forward"
         self._mode: TorchDispatchMode | None = None
         self._active = False
 
@@ -309,55 +324,14 @@ class MemoryGuard:
             "budget in use. Lower the micro-batch size, checkpoint more blocks or raise the budget."
         )
 
-    # -- OOM injection (tests) ---------------------------------------------------------------
-    def inject(self, after_ops: int | None = None, phase: str | None = None, *,
-               seed: int | None = None, max_ops: int = 200, times: int = 1) -> None:
-        """Raise ``torch.OutOfMemoryError`` before the ``after_ops``-th op from now.
-
-        ``phase="backward"`` counts only ops the autograd engine runs; other phases match
-        :attr:`phase` (set it from the training loop: ``"forward"`` by default). ``seed``
-        draws the op from ``1..max_ops`` reproducibly. ``after_ops=None`` without a seed
-        disarms. On cuda, arm it before entering the guard.
-        """
-        if after_ops is None:
-            if seed is None:
-                self._injection = None
-                return
-            after_ops = pick_op(seed, max_ops)
-        if self.device.type == "cuda" and self._active and self._mode is None:
-            raise ConfigError("on cuda, call guard.inject() before entering the guard")
-        self._injection = _Injection(after_ops, phase, times)
-        self._injection.label = self._phase_label
-        if isinstance(self._mode, _InjectionMode):
-            self._mode._inj = self._injection
-
-    @property
-    def injected(self) -> int:
-        """How many injected OOMs were raised by the current :meth:`inject` arming."""
-        return self._injection.fired if self._injection is not None else 0
-
-    @property
-    def phase(self) -> str:
-        """The training loop's phase label (for ``inject(phase=...)``); backward is detected."""
-        return self._phase_label
-
-    @phase.setter
-    def phase(self, label: str) -> None:
-        self._phase_label = label
-        if self._injection is not None:
-            self._injection.label = label
-
     # -- context -------------------------------------------------------------------------
     def __enter__(self) -> MemoryGuard:
         if self._active:
             raise RuntimeError("this MemoryGuard is already active; guards are not re-entrant")
         if self.device.type == "cuda":
             self._apply_cuda_fraction()
-            if self._injection is not None:
-                self._mode = _InjectionMode(self._injection)
         else:
             self._mode = _GuardMode(self)
-        if self._mode is not None:
             self._mode.__enter__()
         self._active = True
         return self
