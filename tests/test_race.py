@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# The probe tests' fixtures: a 60 s bound per test, and one probe server for the module.
+from helpers.probe import assert_no_probe_children, probe_server, time_bound, write_model  # noqa: F401
+
 from estimators import TrainConfig
 from estimators._errors import ConfigError
 from estimators.probing._race import RaceResult, race
-
-# The probe tests' fixtures: a 60 s bound per test, and one probe server for the module.
-from test_probe import assert_no_probe_children, probe_server, time_bound, write_model  # noqa: F401
 
 # Each block's forward sleeps: a checkpointed block runs it twice per step (forward, then
 # again in the backward), so the checkpointed configuration is slower whatever the machine's
