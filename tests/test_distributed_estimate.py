@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 import torch.distributed as dist
 from helpers.lm import LM_SOURCE
 
