@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, format_size, load_task  # noqa: E402
+from estimators._step_options import StepOptions  # noqa: E402
 from estimators.probing._measure import measure_cpu_peak  # noqa: E402
 from estimators.runtime._build import build_for_training  # noqa: E402
-from estimators.runtime._options import StepOptions  # noqa: E402
 from estimators.runtime._step import make_step_parts, train_step  # noqa: E402
 
 NO_CLIP = StepOptions(clip="off")

@@ -36,10 +36,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from models_large import llama_task
 
     import memplan
     from estimators.tracing import _trace
-    from models_large import llama_task
 
     traces = {"n": 0, "s": 0.0}
     original = _trace.trace_step
@@ -53,7 +53,7 @@ def main() -> None:
             traces["s"] += time.perf_counter() - t0
 
     _trace.trace_step = counted
-    import estimators._traces as est_mod
+    import estimators.estimator._traces as est_mod
     est_mod.trace_step = counted
 
     task = llama_task(args.size)

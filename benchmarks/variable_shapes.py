@@ -49,7 +49,7 @@ def run_case(name: str) -> None:
 
     from estimators import Estimator, TrainConfig, load_task
     from estimators.probing._measure import measure_cpu_peak, measure_epoch_peak
-    from estimators._shapes import ShapeProfile
+    from estimators.task._shapes import ShapeProfile
 
     task = load_task(MODELS / f"{name}.py")
     est = Estimator(task, device="cpu")

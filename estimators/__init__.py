@@ -21,14 +21,12 @@ from ._errors import (
     TrainingError,
     UnknownGPUError,
 )
-from ._estimate import BatchShapes, Estimate, Estimator, ShapePeak, estimate, resolve_target
-from ._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
-from ._shapes import grouped_order
-from ._task import Task, default_logits_and_targets, default_loss, load_task
+from ._step_options import StepOptions
 from ._units import format_size, parse_count, parse_size
-from .memory._distributed import fsdp_units
+from .estimator._estimate import BatchShapes, Estimate, Estimator, ShapePeak, estimate, resolve_target
+from .estimator._timeline import Timeline, predicted_timeline
+from .hardware._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
 from .memory._snapshot import write_snapshot
-from .memory._timeline import Timeline, predicted_timeline
 from .probing._probe import prestart, probe
 from .probing._race import race
 from .runtime._build import BuiltModel, build_for_training, checkpoint_more
@@ -36,7 +34,6 @@ from .runtime._checkpoint import max_checkpoint_segments
 from .runtime._ema import EMA
 from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
-from .runtime._options import StepOptions
 from .runtime._precision import (
     backward,
     convert_input,
@@ -46,7 +43,10 @@ from .runtime._precision import (
     weight_dtype,
 )
 from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, to_device, train_step, training_loss
+from .task._shapes import grouped_order
+from .task._task import Task, default_logits_and_targets, default_loss, load_task
 from .tracing._recorder import Category
+from .tracing._simulated_ranks import fsdp_units
 
 __all__ = [
     # configurations, tasks, errors, units

@@ -409,7 +409,7 @@ def loader_finding(load_s: float, step_s: float) -> Finding | None:
 def check_loader(
     task: Task, model: nn.Module, device: str, out: list[Finding], stats: dict[str, Any], batches: int = 8
 ) -> None:
-    # A whole number >= 1 or None (checked where the task was made: estimators._settings).
+    # A whole number >= 1 or None (checked where the task was made: estimators.task._settings).
     batch_size = int(task.settings.get("global_batch") or DEFAULT_GLOBAL_BATCH)
     data = task.dataset()
     if data is None:  # a task of sample batches only: no loader to time

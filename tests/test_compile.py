@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch.nn as nn
+from test_estimator import TinyLM, lm_task  # noqa: E402
 
 from estimators import Estimator, Task, TrainConfig
 from memplan import Plan, search
 from memplan.planning._compile import COMPILED_NOTE, CompiledFigures, evaluate_compile
 from memplan.planning._plan import PlanEntry
-
-from test_estimator import TinyLM, lm_task  # noqa: E402
 
 _LM = Task(name="lm-compile", build_model=lambda: TinyLM(layers=2), sample_fn=lm_task().sample_fn)
 
@@ -40,8 +39,9 @@ def _cache(tmp_path, monkeypatch):
 def _pinned_rates(monkeypatch):
     # The CPU's rates pinned (as in test_search): measuring them again in every test's fresh
     # cache costs seconds, and the decisions here hang on the fake probes' figures only.
-    from estimators import _estimate
     from test_search import _PINNED_RATES
+
+    from estimators.estimator import _estimate
     monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: _PINNED_RATES)
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from estimators import ConfigError, Estimator, ModelFileError, Task, TrainConfig, estimate
-from estimators.runtime._checkpoint import apply_checkpointing, find_block_stack, select_blocks
 from estimators.probing._measure import measure_cpu_peak, storage_bytes
+from estimators.runtime._checkpoint import apply_checkpointing, find_block_stack, select_blocks
 
 
 class Block(nn.Module):
@@ -218,7 +218,7 @@ def test_a_kernel_missing_for_a_precision_says_so():
 
 
 def _count_traces(monkeypatch) -> list[int]:
-    import estimators._traces as est_mod
+    import estimators.estimator._traces as est_mod
     seen: list[int] = []
     original = est_mod.trace_step
 
@@ -254,7 +254,7 @@ def test_a_model_refusing_batch_one_anchors_at_two(monkeypatch):
 
 
 def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
-    import estimators._prefetch as est_mod
+    import estimators.estimator._prefetch as est_mod
     from estimators.tracing._trace_worker import worker_available
     assert worker_available()  # Linux: the path CI and users take
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)  # every model counts as large
@@ -291,7 +291,7 @@ def test_slow_traces_share_anchors_with_a_worker_process(monkeypatch):
 
 
 def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
-    import estimators._prefetch as est_mod
+    import estimators.estimator._prefetch as est_mod
     monkeypatch.setattr(est_mod, "PARALLEL_TRACE_S", 0.0)
     original_submit = est_mod.TraceWorker.submit
 
@@ -311,8 +311,8 @@ def test_a_dying_trace_worker_leaves_the_estimate_to_this_process(monkeypatch):
 def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
     # Under a fixed global batch, accumulation 1 is asked at one micro-batch size: its anchors
     # are derived from the accumulating anchors' traces instead of traced.
-    import estimators._prefetch
-    import estimators._traces as est_mod
+    import estimators.estimator._prefetch
+    import estimators.estimator._traces as est_mod
     calls = []
     original = est_mod.trace_step
 
@@ -322,7 +322,7 @@ def test_expected_space_traces_each_shape_once(monkeypatch, device, gpu):
         return original(task, config, **kwargs)
 
     monkeypatch.setattr(est_mod, "trace_step", counted)
-    monkeypatch.setattr(estimators._prefetch, "PARALLEL_TRACE_S", float("inf"))  # every trace in this process
+    monkeypatch.setattr(estimators.estimator._prefetch, "PARALLEL_TRACE_S", float("inf"))  # every trace in this process
     space = [TrainConfig(micro_batch_size=m, grad_accum_steps=12 // m) for m in (1, 2, 3, 4, 6, 12)]
     estimator = Estimator(lm_task(), device=device, gpu=gpu)
     estimator.expect(space)
@@ -375,7 +375,7 @@ def test_prefetch_survives_its_worker_dying():
 def _count_prefetch(monkeypatch) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """Fake traces run in this process and traces handed to the worker, as
     (accumulation, checkpoint segments, batch)."""
-    import estimators._traces as est_mod
+    import estimators.estimator._traces as est_mod
     from estimators.tracing._trace_worker import TraceWorker
     local, remote = [], []
     original_trace, original_submit = est_mod.trace_step, TraceWorker.submit

@@ -18,7 +18,7 @@ _PINNED_RATES = DeviceRates("pinned-cpu", {"float32": 8e10, "bfloat16": 1e10, "f
 
 @pytest.fixture(autouse=True)
 def _pinned_rates(monkeypatch):
-    from estimators import _estimate
+    from estimators.estimator import _estimate
     monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: _PINNED_RATES)
 
 
@@ -42,7 +42,7 @@ def _sample(b: int):
 
 
 def _counting(task: Task, monkeypatch) -> list[TrainConfig]:
-    from estimators import _estimate
+    from estimators.estimator import _estimate
     asked: list[TrainConfig] = []
     original = _estimate.Estimator.estimate
 
@@ -157,8 +157,8 @@ def test_fsdp_in_bf16_keeps_batch_norm_in_fp32_at_any_micro_batch():
 
     # The same wrapping for real (two simulated ranks): inside forward, each batch-norm layer
     # holds fp32 parameters while the convolutions and the head are gathered in bf16.
-    from estimators.memory._distributed import simulated_ranks
     from estimators.runtime._parallel import apply_fsdp
+    from estimators.tracing._simulated_ranks import simulated_ranks
 
     seen: dict[str, torch.dtype] = {}
     with simulated_ranks(2):
@@ -217,7 +217,8 @@ def test_a_model_whose_states_cannot_fit_is_refused_without_a_trace(monkeypatch)
     # 400M parameters: 3.2 GB of fp32 weights and gradients and 3.2 GB of AdamW's two moments
     # (found by a step of the optimizer on meta), before anything else; half of it in bf16-true,
     # the most frugal precision a CPU search may widen to.
-    from estimators import NoFeasiblePlanError, _traces
+    from estimators import NoFeasiblePlanError
+    from estimators.estimator import _traces
     traced: list = []
     monkeypatch.setattr(_traces, "trace_step", lambda *a, **k: traced.append(a) or (_ for _ in ()).throw(AssertionError))
     task = Task(name="huge", build_model=lambda: nn.Sequential(nn.Linear(20000, 20000), nn.Linear(20000, 4)),

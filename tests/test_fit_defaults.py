@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 import memplan
 from estimators import ConfigError, Task
-from estimators._task import default_optimizer
+from estimators.task._task import default_optimizer
 from memplan.cli import main
 from memplan.planning import DEFAULT_GLOBAL_BATCH
 from memplan.planning._space import build_space, default_global_batch

@@ -1,4 +1,4 @@
-"""Tests for estimators._gpus: the spec table, name lookup and NVML detection (faked on CPU)."""
+"""Tests for estimators.hardware._gpus: the spec table, name lookup and NVML detection (faked on CPU)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from estimators import _gpus
 from estimators._errors import ConfigError, UnknownGPUError
-from estimators._gpus import GPU_SPECS, GPUSpec, detect_local_gpu, get_gpu, gpu_names
+from estimators.hardware import _gpus
+from estimators.hardware._gpus import GPU_SPECS, GPUSpec, detect_local_gpu, get_gpu, gpu_names
 
 REQUIRED = [
     "V100-16GB", "V100-32GB", "T4", "A10G", "A100-40GB", "A100-80GB", "H100-80GB", "H100-PCIE",
@@ -404,7 +404,7 @@ def test_detect_returns_none_when_nvml_fails(install: Installer) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    from estimators import _gpu_table
+    from estimators.hardware import _gpu_table
     for module in (_gpus, _gpu_table):
         failures, tried = doctest.testmod(module, raise_on_error=False)
         assert tried > 0

@@ -14,15 +14,15 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from estimators import ConfigError, Estimator, Task, TrainConfig, get_gpu
-from estimators._task import load_task
-from estimators.probing._measure import measure_cpu_peak
-from estimators.runtime._build import build_for_training
-from estimators.runtime._activation_offload import MIN_OFFLOAD_BYTES, simulated_transfers
-from estimators.runtime._options import StepOptions
-from estimators.runtime._planned import PlannedSteps
+from estimators._step_options import StepOptions
 from estimators.memory._replay import replay_sizes
-from estimators.tracing._recorder import Category
+from estimators.probing._measure import measure_cpu_peak
+from estimators.runtime._activation_offload import MIN_OFFLOAD_BYTES, simulated_transfers
+from estimators.runtime._build import build_for_training
+from estimators.runtime._planned import PlannedSteps
+from estimators.task._task import load_task
 from estimators.timing._activation_offload_time import LINK_EFFICIENCY, host_link_bytes_per_s
+from estimators.tracing._recorder import Category
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_estimator import lm_task  # noqa: E402

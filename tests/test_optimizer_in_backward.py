@@ -12,12 +12,12 @@ import torch
 import torch.nn as nn
 
 from estimators import ConfigError, Estimator, Task, TrainConfig
-from estimators._task import load_task
+from estimators._step_options import StepOptions
 from estimators.probing._measure import measure_cpu_peak
 from estimators.runtime._build import build_for_training
 from estimators.runtime._optim_bwd import OptimizerInBackward
-from estimators.runtime._options import StepOptions
 from estimators.runtime._planned import PlannedSteps
+from estimators.task._task import load_task
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_estimator import TinyLM, lm_task  # noqa: E402

@@ -11,8 +11,8 @@ import pytest
 import torch.cuda._memory_viz as memory_viz
 
 from estimators import ConfigError, Estimator, TrainConfig, load_task
+from estimators.estimator._timeline import predicted_timeline
 from estimators.memory._snapshot import snapshot_peak, to_snapshot, write_snapshot
-from estimators.memory._timeline import predicted_timeline
 from estimators.tracing._recorder import Category
 from memplan.cli import main
 

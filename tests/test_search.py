@@ -8,13 +8,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from test_estimator import TinyLM, lm_task  # noqa: E402
 
 from estimators import NoFeasiblePlanError, Task, TrainConfig
+from estimators.timing._timing import DeviceRates
 from memplan import Plan, search
 from memplan.planning._space import build_space
-
-from estimators.timing._timing import DeviceRates
-from test_estimator import TinyLM, lm_task  # noqa: E402
 
 # One task for the module: searches of the same task share its traces, as in the product.
 _LM = Task(name="lm2", build_model=lambda: TinyLM(layers=2), sample_fn=lm_task().sample_fn)
@@ -38,7 +37,7 @@ _PINNED_RATES = DeviceRates("pinned-cpu", {"float32": 8e10, "bfloat16": 1e10, "f
 
 @pytest.fixture(autouse=True)
 def _pinned_rates(monkeypatch):
-    from estimators import _estimate
+    from estimators.estimator import _estimate
     monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: _PINNED_RATES)
 
 
@@ -114,9 +113,10 @@ def test_a_resumed_study_with_probes_traces_nothing_again(tmp_path, monkeypatch)
     # A new process resuming a study: a new task from the same file, so a new estimator
     # without traces. Its trials answer the predictions, and the probes' refit of the
     # unprobed ones comes from the predictions' stored parts, not from tracing them again.
-    from estimators import _traces, load_task
-
     from test_race import SLEEPY
+
+    from estimators import load_task
+    from estimators.estimator import _traces
     path = tmp_path / "sleepy.py"
     path.write_text(SLEEPY)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
@@ -681,11 +681,11 @@ def test_a_failed_race_falls_back_to_probing():
 def test_search_races_for_real(tmp_path):
     # Real races of a model whose blocks sleep: more micro-batches or checkpointed blocks
     # sleep more, so the predicted best is also the truly fastest, and the race says so.
+    from test_race import SLEEPY
+
     from estimators import load_task
     from estimators.probing._probe import shutdown
     from estimators.probing._race import race
-
-    from test_race import SLEEPY
     path = tmp_path / "sleepy.py"
     path.write_text(SLEEPY)
     task = load_task(path)

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from estimators import ConfigError, Estimator, Task, TrainConfig
-from estimators._task import load_task
 from estimators.probing._measure import measure_cpu_peak
 from estimators.runtime import _checkpoint
 from estimators.runtime._build import build_for_training, checkpoint_more
 from estimators.runtime._checkpoint import SAVED_OPS, apply_checkpointing, block_policy
+from estimators.task._task import load_task
 from estimators.tracing._trace import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """The model file's ``settings``: misspelt keys and wrong values are one-line errors where the
-task is made, the user's own keys one warning each (estimators._settings)."""
+task is made, the user's own keys one warning each (estimators.task._settings)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 import memplan
 from estimators import ConfigError, Task, load_task
-from estimators._settings import SETTINGS_KEYS, check_settings
+from estimators.task._settings import SETTINGS_KEYS, check_settings
 from memplan._options import option_specs
 from memplan.cli import main
 

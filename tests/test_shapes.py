@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from estimators import ConfigError, Estimator, Task, TrainConfig, estimate, load_task
-from estimators import _shapes
 from estimators.probing._measure import measure_cpu_peak, measure_epoch_peak
+from estimators.task import _shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "models"

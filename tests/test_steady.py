@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from test_estimator import cnn_task, lm_task
 
 from estimators import Task, TrainConfig
-from estimators.runtime._options import StepOptions
+from estimators._step_options import StepOptions
 from estimators.tracing._steady import RawEvents, drop_second_micro, repeat_first_step
 from estimators.tracing._trace import Trace, trace_step
-
-from test_estimator import cnn_task, lm_task
 
 
 class LazyCache(nn.Module):

@@ -13,10 +13,10 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Estimator, Task, TrainConfig
+from estimators._step_options import StepOptions
 from estimators.runtime._guard import MemoryGuard
-from estimators.runtime._options import StepOptions
-from estimators.tracing._trace import trace_step
 from estimators.tracing._recorder import Category, Recorder
+from estimators.tracing._trace import trace_step
 from memplan import TrainOptions, train
 
 

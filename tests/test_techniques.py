@@ -20,11 +20,11 @@ from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, ModelFileError, Task, TrainConfig, load_task
 from estimators.runtime._precision import make_grad_scaler
-from estimators._task import default_optimizer
+from estimators.task._task import default_optimizer
+from memplan.nn import DropPath, init_weights
+from memplan.training import Trainer, TrainOptions, epoch_permutation, train
 from memplan.training._checkpoint_io import load_checkpoint
 from memplan.training._schedules import SCHEDULES, make_schedule
-from memplan.training import Trainer, TrainOptions, epoch_permutation, train
-from memplan.nn import DropPath, init_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,14 +11,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_estimator import TinyLM, lm_task  # noqa: E402
 
 from estimators import Estimator, Task, TrainConfig
 from estimators.timing import _cpu_rates
 from estimators.timing._calibration import TimeCalibration
 from estimators.timing._cpu_rates import cpu_rates, cpu_rates_path
 from estimators.timing._timing import OP_CLASSES, DeviceRates, OpCosts, StepTimeParts, op_class, step_time_parts
-
-from test_estimator import TinyLM, lm_task  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -245,7 +244,7 @@ def test_estimator_calibration_fits_overhead_and_work_apart():
 
 def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(monkeypatch):
     from estimators import Estimate
-    from estimators import _traces
+    from estimators.estimator import _traces
 
     configs = [TrainConfig(micro_batch_size=b) for b in (4, 64, 16)]
     est = Estimator(lm_task(), device="cpu")

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .._config import TrainConfig
-from .._task import Task
+from ..task._task import Task
 from ..tracing._profiler import memory_profile
 from ..tracing._trace import Trace, trace_step
 

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from .._config import TrainConfig
-from .._task import Task
+from ..task._task import Task
 from ..tracing._trace import Trace
 from ._workspace import (
     Source,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import cast
 
 from .._errors import MemplanError
-from .._task import Task
 from ..runtime._oom import is_oom_error
+from ..task._task import Task
 from ._messages import ProbeStatus, Reply, Request, TaskPayload
 from ._wire import kill_group, read_msg, write_msg
 
@@ -181,7 +181,7 @@ def _serve(msg: Request) -> Reply:
 
 
 def _describe(exc: BaseException, source: str | None) -> str:
-    from .._task import _user_frame
+    from ..task._task import _user_frame
 
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
@@ -195,7 +195,7 @@ def _describe(exc: BaseException, source: str | None) -> str:
 
 
 def _load(spec: TaskPayload) -> Task:
-    from .._task import load_task
+    from ..task._task import load_task
 
     if "path" in spec:
         task = load_task(spec["path"])

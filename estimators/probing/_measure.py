@@ -29,12 +29,12 @@ import torch
 import torch.nn as nn
 
 from .._config import TrainConfig
-from .._shapes import dataset_length
-from .._task import Task
+from .._step_options import StepOptions
 from ..runtime._build import BuiltModel, build_for_training
-from ..runtime._options import StepOptions
 from ..runtime._planned import PlannedSteps
 from ..runtime._step import make_step_parts, train_step
+from ..task._shapes import dataset_length
+from ..task._task import Task
 from ..tracing._profiler import event_tree, walk_events
 from ._messages import ConfigDict
 
@@ -123,7 +123,7 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
     The batches are those the estimate is made for (``Task.real_batch``: the planned batch of
     varying-shape data); ``batch_offset`` starts them elsewhere (the draw a data-dependent
     model's estimate names in ``Estimate.batch_shapes``). ``options``: the step's clipping,
-    EMA, ... (:class:`~estimators.runtime._options.StepOptions`; ``task.step`` when None).
+    EMA, ... (:class:`~estimators._step_options.StepOptions`; ``task.step`` when None).
 
     ``ddp``/``fsdp`` configurations need an initialised default process group (see
     :func:`measure_distributed_peaks`); the model is then built and wrapped, as the trainer
@@ -197,7 +197,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_path: str, configs: 
                steps: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from .._task import load_task
+    from ..task._task import load_task
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict
 from .._types import Setting
 
 if TYPE_CHECKING:
-    from ..runtime._options import StepOptions
+    from .._step_options import StepOptions
 
 __all__ = ["ConfigDict", "ProbeStatus", "Reply", "Request", "TaskPayload"]
 

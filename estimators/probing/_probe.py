@@ -80,9 +80,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._config import TrainConfig
 from .._errors import ConfigError, ProbeError
-from .._estimate import Estimate
-from .._task import Task
+from ..estimator._estimate import Estimate
 from ..runtime._oom import is_oom_error
+from ..task._task import Task
 from ._messages import ProbeStatus, Reply, Request, TaskPayload
 from ._server import Child, ChildGone, Timeout, log_tail, prestart, server_log, shutdown
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from .._config import TrainConfig
 from .._errors import ConfigError
-from .._task import Task
+from ..task._task import Task
 from ._messages import Reply, Request
 from ._probe import Prober, check_warmup_and_timeout
 

@@ -18,11 +18,11 @@ import torch
 from torch.profiler import record_function
 
 from .._config import TrainConfig
-from .._estimate import Estimate
-from .._task import Task
+from ..estimator._estimate import Estimate
 from ..runtime._build import build_for_training
 from ..runtime._planned import PlannedSteps
 from ..runtime._step import StepHooks
+from ..task._task import Task
 from ..tracing._profiler import allocated_bytes, event_tree
 from ._measure import storage_bytes
 from ._messages import Reply, Request
@@ -260,7 +260,7 @@ def _cpu_peak(prof: profile) -> tuple[int, str]:
 
 def _gpu_name(dev: torch.device) -> str:
     try:
-        from .._gpus import detect_local_gpu
+        from ..hardware._gpus import detect_local_gpu
         spec = detect_local_gpu()
         if spec is not None:
             return spec.name

@@ -14,7 +14,7 @@ from .._config import TrainConfig
 from . import _checkpoint, _parallel, _precision
 
 if TYPE_CHECKING:
-    from .._task import Task
+    from ..task._task import Task
 
 __all__ = ["BuiltModel", "build_for_training", "checkpoint_more"]
 

@@ -34,7 +34,7 @@ from torch.optim.optimizer import StateDict
 
 from .._config import TrainConfig
 from .._errors import ConfigError
-from ._options import StepOptions
+from .._step_options import StepOptions
 
 __all__ = ["OptimizerInBackward", "check_compatible", "ParamStepObserver"]
 

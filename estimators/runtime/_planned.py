@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._config import TrainConfig
+from .._step_options import StepOptions
 from .._types import Batch
 from ._build import BuiltModel
-from ._options import StepOptions
 from ._step import StepHooks, StepParts, StepResult, make_step_parts, train_step
 
 if TYPE_CHECKING:
-    from .._task import Task
+    from ..task._task import Task
 
 __all__ = ["PlannedSteps"]
 

@@ -24,13 +24,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .._config import TrainConfig
-from .._task import Task, default_logits_and_targets
+from .._step_options import StepOptions
 from .._types import Batch
+from ..task._task import Task, default_logits_and_targets
 from . import _activation_offload, _parallel, _precision
 from ._clip import clip_gradients
 from ._ema import EMA
 from ._optim_bwd import OptimizerInBackward, check_compatible
-from ._options import StepOptions
 from ._precision import ScalerSettings
 
 __all__ = [

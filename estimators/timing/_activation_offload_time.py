@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._gpus import GPUSpec
+from ..hardware._gpus import GPUSpec
 from ..memory._prepare import Prepared
 from ..tracing._recorder import Category
 from ._timing import DeviceRates, _work_per_op

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._config import TrainConfig
-from .._gpus import GPUSpec
+from ..hardware._gpus import GPUSpec
 
 __all__ = [
     "INTER_NODE_BYTES_PER_S", "GLOO_LOOPBACK_BYTES_PER_S", "RING_STEP_LATENCY_S", "CommTime",

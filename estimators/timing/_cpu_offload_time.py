@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._config import TrainConfig
-from .._facts import ModelFacts
-from .._gpus import GPUSpec
+from ..hardware._gpus import GPUSpec
+from ..memory._facts import ModelFacts
 from ..runtime._precision import weight_dtype
 from ._activation_offload_time import host_link_bytes_per_s
 

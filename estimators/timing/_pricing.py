@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._config import TrainConfig
-from .._facts import ModelFacts
-from .._gpus import GPUSpec
+from ..hardware._gpus import GPUSpec
+from ..memory._facts import ModelFacts
 from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
 from ._activation_offload_time import activation_offload_time

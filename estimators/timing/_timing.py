@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from .._gpus import GPUSpec
+from ..hardware._gpus import GPUSpec
 
 __all__ = [
     "DeviceRates", "gpu_rates", "OP_CLASSES", "op_class", "OpCosts", "op_costs",

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .._errors import ModelFileError
-from .._task import Task
+from ..task._task import Task
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from estimators.tracing import _simulated_ranks as _distributed
+
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
-from .._task import Task, _one_line
-from ..memory import _distributed
+from .._step_options import StepOptions
 from ..runtime import _activation_offload, _precision
 from ..runtime._build import BuiltModel, build_for_training
-from ..runtime._options import StepOptions
 from ..runtime._planned import PlannedSteps
 from ..runtime._step import StepHooks
+from ..task._task import Task, _one_line
 from . import _cpu_offload
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
 from ._profiler import allocated_bytes, event_tree, walk_events
@@ -128,7 +129,7 @@ def trace_step(
     real batches instead.
 
     ``ddp`` and ``fsdp`` configurations trace rank 0 of ``config.world_size`` ranks in this
-    process, on a fake process group (:mod:`estimators.memory._distributed`); the trace starts from
+    process, on a fake process group (:mod:`estimators.tracing._simulated_ranks`); the trace starts from
     the wrapped model (sharded parameters, DDP's gradient buckets), as training does.
 
     A two-step fake trace of a one-device configuration traces step 1 and derives step 2
@@ -138,7 +139,7 @@ def trace_step(
     (its fake trace succeeded), which halves a profiled run too.
 
     ``options`` are the step's parts besides forward, backward and the optimizer step
-    (clipping, EMA, label smoothing: :class:`~estimators.runtime._options.StepOptions`);
+    (clipping, EMA, label smoothing: :class:`~estimators._step_options.StepOptions`);
     ``task.step`` when None. ``on_compute(index, func, args, kwargs)`` is shown each op
     whose FLOPs torch counts (kernel workspaces replay them: ``memory._workspace``).
 

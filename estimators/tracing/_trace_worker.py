@@ -29,7 +29,7 @@ from typing import TypeAlias
 import torch
 
 from .._config import TrainConfig
-from .._task import Task
+from ..task._task import Task
 from ._trace import Trace, trace_step
 
 __all__ = ["TraceWorker", "worker_available", "close_all"]

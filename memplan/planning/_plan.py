@@ -21,7 +21,7 @@ import torch.nn as nn
 from tabulate import tabulate
 
 from estimators import ConfigError, Estimate, Task, TrainConfig, format_size
-from estimators._task_data import structure_fingerprint
+from estimators.task._task_data import structure_fingerprint
 
 from .._version import __version__
 from ._inputs import meta_model

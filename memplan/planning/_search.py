@@ -23,8 +23,8 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from estimators import ConfigError, Estimate, Estimator, Task, TrainConfig, prestart
-from estimators._task_data import structure_fingerprint
 from estimators._types import Batch, Item
+from estimators.task._task_data import structure_fingerprint
 
 from ._compile import evaluate_compile
 from ._inputs import (

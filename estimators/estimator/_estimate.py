@@ -27,20 +27,20 @@ from typing import Any, Literal, TypedDict
 
 import torch
 
-from ._config import TrainConfig, normalize_precision
-from ._errors import ConfigError
-from ._facts import ModelFacts, model_facts
-from ._gpus import GPUSpec, detect_local_gpu, get_gpu
+from .._config import TrainConfig, normalize_precision
+from .._errors import ConfigError
+from ..hardware._gpus import GPUSpec, detect_local_gpu, get_gpu
+from ..memory._facts import ModelFacts, model_facts
+from ..memory._prepare import Prepared
+from ..memory._replay import MemoryPeak, replay
+from ..runtime._optim_bwd import check_compatible as check_optimizer_in_backward
+from ..task._task import Task
+from ..timing._calibration import TimeCalibration
+from ..timing._cpu_rates import cpu_rates
+from ..timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
+from ..timing._timing import DeviceRates, gpu_rates
 from ._scaling import BatchScaling
-from ._task import Task
 from ._traces import DATA_DEPENDENT_CAPACITY, TraceSource
-from .memory._prepare import Prepared
-from .memory._replay import MemoryPeak, replay
-from .runtime._optim_bwd import check_compatible as check_optimizer_in_backward
-from .timing._calibration import TimeCalibration
-from .timing._cpu_rates import cpu_rates
-from .timing._pricing import CALIBRATED, Price, price, step_seconds, stored_parts
-from .timing._timing import DeviceRates, gpu_rates
 
 __all__ = ["BatchShapes", "Estimate", "Estimator", "ShapePeak", "estimate", "resolve_target"]
 
@@ -367,7 +367,7 @@ class Estimator:
         return out or None
 
     def _padding_factor(self, config: TrainConfig) -> float:
-        from ._shapes import padding_factor
+        from ..task._shapes import padding_factor
 
         planned = self.task.planned(config.micro_batch_size)
         assert planned is not None
@@ -489,7 +489,7 @@ def estimate(
     >>> est.peak_allocated_bytes                                 # doctest: +SKIP
     1843200
     """
-    from ._task import load_task
+    from ..task._task import load_task
 
     task = load_task(model) if isinstance(model, str) else model
     config = TrainConfig(

@@ -26,8 +26,8 @@ import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping
 
-from ._errors import ConfigError
-from ._types import Setting
+from .._errors import ConfigError
+from .._types import Setting
 
 __all__ = ["SETTINGS_KEYS", "check_settings", "near_miss", "warn_ignored"]
 

@@ -18,7 +18,7 @@ A model file is a plain Python file; memplan imports it and looks up:
                                             ``(H, W)``), so that no item is read to find them
 ``settings``                                optional dict: global_batch, epochs, max_steps, lr,
                                             weight_decay, warmup_steps, target, …
-                                            (``estimators._settings``: checked where the task
+                                            (``estimators.task._settings``: checked where the task
                                             is made)
 
 The optimizer factory receives only the parameters that require gradients, so frozen parts
@@ -45,7 +45,9 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
-from ._errors import ConfigError, ModelFileError
+from .._errors import ConfigError, ModelFileError
+from .._step_options import StepOptions
+from .._types import Batch, Item, Setting
 from ._settings import check_settings, warn_ignored
 from ._shapes import (
     POLICIES,
@@ -67,8 +69,6 @@ from ._task_data import (
     _repeat_rows,
     module_fingerprint,
 )
-from ._types import Batch, Item, Setting
-from .runtime._options import StepOptions
 
 __all__ = ["Task", "load_task", "default_loss", "default_logits_and_targets", "default_optimizer"]
 
@@ -138,7 +138,7 @@ class Task:
     prebuilt: nn.Module | None = None
     """The user's own module (``from_module``); never mutated by memplan."""
     item_sizes: Callable[[Dataset], Sequence[ItemSize]] | None = None
-    """Per item of the dataset, the sizes that vary (see ``estimators._shapes``)."""
+    """Per item of the dataset, the sizes that vary (see ``estimators.task._shapes``)."""
     shape_policy: str = "max"
     """Which batch estimates are made for when items vary in shape: ``max``, the worst the
     loader can form; ``p99``, the 99th percentile of an epoch's; ``median`` (for reports)."""
@@ -204,7 +204,7 @@ class Task:
         if not params:
             raise ModelFileError(f"{self.name}: the model has no parameters that require grad; nothing to train")
         if self.build_optimizer is None:
-            # Checked where the task was made (estimators._settings): a number, None, or lr
+            # Checked where the task was made (estimators.task._settings): a number, None, or lr
             # "auto", which the trainer replaces by lr-find's suggestion once a plan is chosen.
             lr, wd = self.settings.get("lr"), self.settings.get("weight_decay")
             return default_optimizer(params, lr=1e-3 if lr is None or isinstance(lr, str) else float(lr),
@@ -239,7 +239,7 @@ class Task:
             return None
 
     def shapes(self) -> ShapeProfile:
-        """The sizes of the dataset's items (found once per task; see ``estimators._shapes``)."""
+        """The sizes of the dataset's items (found once per task; see ``estimators.task._shapes``)."""
         return _cached_shapes(self)
 
     def with_shape_policy(self, policy: str) -> Task:

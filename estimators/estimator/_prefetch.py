@@ -1,6 +1,6 @@
 """Tracing on both cores: a worker process and this one share the fake traces to be made.
 
-Two ways in, both used by :class:`~estimators._traces.TraceSource` (this module is its
+Two ways in, both used by :class:`~estimators.estimator._traces.TraceSource` (this module is its
 mixin, kept apart so that the single-process path reads on its own):
 
 * a *prefetch* (``Estimator.expect(..., prefetch=True)``): every trace a search will need is
@@ -20,18 +20,18 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ._config import TrainConfig
-from .memory._workspace import WORKSPACE_ANCHORS
-from .tracing._trace import Trace
-from .tracing._trace_worker import TraceWorker, WorkerDied, worker_available
+from .._config import TrainConfig
+from ..memory._workspace import WORKSPACE_ANCHORS
+from ..tracing._trace import Trace
+from ..tracing._trace_worker import TraceWorker, WorkerDied, worker_available
 
 if TYPE_CHECKING:
     import threading
 
-    from ._task import Task
+    from ..memory._prepare import Prepared
+    from ..memory._workspace_cache import WorkspaceFits
+    from ..task._task import Task
     from ._traces import ShapeKey, TraceKey
-    from .memory._prepare import Prepared
-    from .memory._workspace_cache import WorkspaceFits
 
 __all__ = ["PARALLEL_TRACE_S", "Prefetching"]
 

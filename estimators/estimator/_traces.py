@@ -4,7 +4,7 @@
 CPU target's smallest batches and for models whose shapes depend on data values, real runs),
 with the kernel workspaces put in (``memory._prepare``). It keeps what it traced, the
 accumulation-1 traces that come free with accumulation 2 (``Trace.single_micro``), and, with
-its :class:`~estimators._prefetch.Prefetching` half, what a worker process traced for it.
+its :class:`~estimators.estimator._prefetch.Prefetching` half, what a worker process traced for it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from ._config import TrainConfig
-from ._gpus import GPUSpec
+from .._config import TrainConfig
+from ..hardware._gpus import GPUSpec
+from ..memory._prepare import Prepared, prepare
+from ..memory._workspace import WORKSPACE_ANCHORS
+from ..memory._workspace_cache import DIVERGED, WorkspaceFits
+from ..task._task import Task
+from ..tracing._trace import DataDependentShapes, Trace, trace_step
 from ._prefetch import Prefetching
-from ._task import Task
-from .memory._prepare import Prepared, prepare
-from .memory._workspace import WORKSPACE_ANCHORS
-from .memory._workspace_cache import DIVERGED, WorkspaceFits
-from .tracing._trace import DataDependentShapes, Trace, trace_step
 
 __all__ = ["DATA_DEPENDENT_CAPACITY", "DATA_DEPENDENT_DRAWS", "ShapeKey", "TraceKey", "TraceSource"]
 

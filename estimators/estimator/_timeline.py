@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._config import TrainConfig
-from .._estimate import Estimator
+from ..memory._replay import replay_sizes
 from ..tracing._recorder import Category
-from ._replay import replay_sizes
+from ._estimate import Estimator
 
 __all__ = ["Timeline", "predicted_timeline"]
 

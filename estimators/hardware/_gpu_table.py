@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, NoReturn
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 __all__ = ["GPUSpec", "GPU_SPECS"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .._errors import ConfigError
+from ._errors import ConfigError
 
 __all__ = ["StepOptions", "ClipMode"]
 

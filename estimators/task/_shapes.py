@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ._types import Item
+from .._types import Item
 
 __all__ = ["ShapeProfile", "PlannedBatch", "profile_shapes", "planned_batch", "batch_quantiles", "largest_items",
            "POLICIES", "SCAN_LIMIT", "PROBE_ITEMS", "ItemSize", "dataset_length"]
@@ -172,7 +172,7 @@ def profile_shapes(data: Dataset[Item], *, item_sizes: Callable[[Dataset[Item]],
     """The size profile of ``data`` (see the module docstring for the order of sources)."""
     from torch.utils.data import TensorDataset
 
-    from ._errors import ModelFileError
+    from .._errors import ModelFileError
 
     n = dataset_length(data)
     every = np.arange(n, dtype=np.int64)
@@ -299,7 +299,7 @@ def planned_batch(profile: ShapeProfile, policy: str, b: int) -> PlannedBatch:
         return worst_items(profile, b)
     if policy in ("p99", "median"):
         return batch_quantiles(profile, b)[policy]
-    from ._errors import ConfigError
+    from .._errors import ConfigError
     raise ConfigError(f"unknown shape policy {policy!r}; use one of {', '.join(POLICIES)}")
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Final, SupportsFloat, SupportsInt, TypedDict, cast
 
-from ._errors import ConfigError, UnknownGPUError
+from .._errors import ConfigError, UnknownGPUError
 from ._gpu_table import _CONTEXT_BYTES, _DTYPES, _PCIE_GEN3, _TABLE, GPU_SPECS, GPUSpec, _cublas_workspace_for
 
 __all__ = ["GPUSpec", "GPU_SPECS", "get_gpu", "detect_local_gpu", "gpu_names"]

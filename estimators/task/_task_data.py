@@ -18,9 +18,9 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset
 
-from ._errors import ModelFileError
+from .._errors import ModelFileError
+from .._types import Batch, Item
 from ._shapes import ShapeProfile, dataset_length, profile_shapes, worst_items
-from ._types import Batch, Item
 
 if TYPE_CHECKING:  # ``_task`` imports this module, not the other way
     from ._task import Task

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._task import Task
-from .memory._distributed import FsdpUnits, ddp_bucket_bytes, fsdp_units
-from .runtime._checkpoint import find_block_stack
-from .runtime._precision import cast_model
-from .tracing._fake import build_fake_model, fake_mode
+from ..runtime._checkpoint import find_block_stack
+from ..runtime._precision import cast_model
+from ..task._task import Task
+from ..tracing._fake import build_fake_model, fake_mode
+from ..tracing._simulated_ranks import FsdpUnits, ddp_bucket_bytes, fsdp_units
 
 __all__ = ["ModelFacts", "model_facts"]
 

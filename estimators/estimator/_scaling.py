@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._config import TrainConfig
+from .._config import TrainConfig
+from ..memory._prepare import Prepared
+from ..memory._workspace import WORKSPACE_ANCHORS, fit_key, reference_config, workspaces_at
+from ..timing._timing import OpCosts, op_costs
+from ..tracing._recorder import Category
 from ._traces import ShapeKey, TraceKey, TraceSource
-from .memory._prepare import Prepared
-from .memory._workspace import WORKSPACE_ANCHORS, fit_key, reference_config, workspaces_at
-from .timing._timing import OpCosts, op_costs
-from .tracing._recorder import Category
 
 __all__ = ["ANCHORS", "CUDA_ANCHORS", "BatchScaling"]
 

@@ -1,0 +1,1 @@
+"""The hardware: the GPUs memplan knows (their memory, peak rates and links) and the local one."""
