@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from estimators import load_task  # noqa: E402
-from memplan._lr_find import lr_find, suggest  # noqa: E402
+from memplan.diagnostics._lr_find import lr_find, suggest  # noqa: E402
 
 MODELS = {"mlp": "benchmarks/models/mlp.py", "cnn_bn": "benchmarks/models/cnn_bn.py",
           "digits": "examples/digits.py", "tiny_gpt": "examples/tiny_gpt.py"}

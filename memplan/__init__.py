@@ -23,10 +23,10 @@ from estimators import (
 )
 
 from . import nn as nn  # memplan.nn: init_weights and DropPath for model files
-from ._doctor import doctor  # noqa: E402
 from ._fit import fit, train_plan  # noqa: E402
-from ._lr_find import lr_find  # noqa: E402
 from ._version import __version__
+from .diagnostics._doctor import doctor  # noqa: E402
+from .diagnostics._lr_find import lr_find  # noqa: E402
 from .planning import Plan, PlanEntry, SearchInterrupted, search  # noqa: E402
 from .training import LaunchSpec, Trainer, TrainOptions, TrainResult, keep_global_batch, launch_training, train  # noqa: E402,I001
 

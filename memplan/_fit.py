@@ -84,7 +84,7 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
 def _with_report(result: TrainResult | None, options: TrainOptions) -> TrainResult | None:
     """Write ``OUT/report.html`` where rank 0 wrote its results (not on the other machines)."""
     if result is not None:
-        from ._html_report import write_report
+        from .reports._html_report import write_report
         try:
             write_report(options.out_dir)
         except Exception as exc:  # noqa: BLE001 - a report must never fail a finished run
@@ -207,7 +207,7 @@ def options_for_plan(options: TrainOptions, task: Task, plan: Plan, *, auto_lr: 
     lr-find suggests for its configuration."""
     options = replace(options, device=plan.device)
     if auto_lr:
-        from ._lr_find import auto_lr as find
+        from .diagnostics._lr_find import auto_lr as find
 
         options = replace(options, lr=float(find(task, plan.config, plan.device)))
     return options
@@ -223,7 +223,7 @@ def _number(text: str, what: str) -> float:
 def _options_from(task: Task, values: dict[str, Any], drop: Sequence[str] = ()) -> TrainOptions:
     """``TrainOptions`` from keywords over the task's settings, each checked by name (those in
     ``drop``, which ``fit`` resolves itself, left out of the settings)."""
-    from ._options import option_specs, resolve_options
+    from ._option_sources import option_specs, resolve_options
 
     known = {spec.name for spec in option_specs()} | set(_FIXED)
     unknown = sorted(set(values) - known)

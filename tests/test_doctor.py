@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from memplan._doctor import doctor, loader_finding
-from memplan._problems import PROBLEMS
+from memplan.diagnostics._doctor import doctor, loader_finding
+from memplan.diagnostics._problems import PROBLEMS
 from memplan.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from estimators import ConfigError, load_task
-from memplan._lr_find import _smooth, lr_find, suggest
+from memplan.diagnostics._lr_find import _smooth, lr_find, suggest
 from memplan.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

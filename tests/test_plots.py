@@ -146,7 +146,7 @@ def test_estimate_cli_writes_the_plot_and_the_snapshot(task, tmp_path, capsys):
 
 def test_missing_matplotlib_is_one_line_naming_the_extra(task, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    from memplan._plots import require_matplotlib
+    from memplan.reports._plots import require_matplotlib
     with pytest.raises(ConfigError, match=r"pip install 'memplan\[plots\]'"):
         require_matplotlib()
     code = main(["estimate", task.source_path, "-b", "4", "--plot", str(tmp_path / "t.png")])
@@ -155,7 +155,7 @@ def test_missing_matplotlib_is_one_line_naming_the_extra(task, tmp_path, capsys,
 
 
 def test_plan_plot_marks_infeasible_chosen_and_the_front(task, tmp_path, closing):
-    from memplan._plots import PlanPoint, pareto_front
+    from memplan.reports._plots import PlanPoint, pareto_front
     from memplan.planning import search
 
     estimator = closing(task, device="cpu")

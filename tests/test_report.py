@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan._html_report import render_report, write_report
+from memplan.reports._html_report import render_report, write_report
 from memplan.cli import main
 
 MODEL = """

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import memplan
 from estimators import ConfigError, Task, load_task
 from estimators.task._settings import SETTINGS_KEYS, check_settings
-from memplan._options import option_specs
+from memplan._option_sources import option_specs
 from memplan.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ def test_the_shipped_model_files_settings_are_accepted(path, caplog):
 
 
 def test_the_init_template_and_other_valid_values_are_accepted(tmp_path, caplog):
-    from memplan._init import write_templates
+    from memplan.cli._init import write_templates
 
     model_path = next(p for p in write_templates(tmp_path) if p.suffix == ".py")
     with caplog.at_level(logging.WARNING, logger="memplan"):

@@ -1,7 +1,7 @@
 """The model file's ``settings`` contract: the keys memplan reads, and the values it reads them as.
 
 ``settings`` takes every training option (the fields of ``memplan.training.TrainOptions`` a
-user sets, type-checked by ``memplan._options.resolve_options`` when options are resolved)
+user sets, type-checked by ``memplan._option_sources.resolve_options`` when options are resolved)
 plus ``global_batch``, ``weight_decay`` and ``target``. :func:`check_settings` runs where a
 ``Task`` is made, so that nothing is silently misread later:
 
@@ -32,7 +32,7 @@ from .._types import Setting
 __all__ = ["SETTINGS_KEYS", "check_settings", "near_miss", "warn_ignored"]
 
 SETTINGS_KEYS: frozenset[str] = frozenset({
-    # memplan.training.TrainOptions' options (memplan._options.option_specs())
+    # memplan.training.TrainOptions' options (memplan._option_sources.option_specs())
     "anneal_strategy", "base_momentum", "checkpoint_every", "compile", "cooldown", "cycle_momentum",
     "drop_last", "early_stopping_min_delta", "early_stopping_patience", "ema_decay", "epochs",
     "eval_every", "gamma", "grad_clip", "grad_clip_mode", "label_smoothing", "lr", "max_momentum",
@@ -103,7 +103,7 @@ _CHECKS: dict[str, tuple[Callable[[Setting], bool], str, str]] = {
                '"target": {"metric": "val_accuracy", "value": 0.97}'),
 }
 """The keys checked here: ``(accepts, what it must be, an example)``. The other options are
-checked by ``memplan._options.resolve_options``, where options are resolved."""
+checked by ``memplan._option_sources.resolve_options``, where options are resolved."""
 
 def _shown(value: Setting) -> str:
     text = repr(value)

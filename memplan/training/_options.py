@@ -1,6 +1,6 @@
 """How to train: :class:`TrainOptions` and its checks (the *what* is the ``TrainConfig``).
 
-``memplan._options`` reads the fields and their docstrings to make the command-line flags,
+``memplan._option_sources`` reads the fields and their docstrings to make the command-line flags,
 the config-file keys and the README's table, so the fields stay one flat dataclass: grouping
 them into nested dataclasses would change every flag and key that is derived from a name.
 """

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypedDict
 from estimators import TrainConfig, normalize_precision, parse_count
 
 if TYPE_CHECKING:
-    from .training import LaunchSpec
+    from ..training import LaunchSpec
 
 __all__ = ["add_common_args", "add_config_args", "config_from", "add_shape_policy", "add_search_args",
            "add_layout_args", "add_launch_args", "launch_spec", "layout_from", "search_kwargs", "add_train_args"]
@@ -125,7 +125,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 
 def launch_spec(args: argparse.Namespace, nproc: int | None = None) -> LaunchSpec | None:
     """The launch asked for on the command line; None: none (the plan decides)."""
-    from .training import LaunchSpec
+    from ..training import LaunchSpec
 
     nproc = nproc if nproc is not None else (parse_count(args.nproc, what="--nproc") if args.nproc else None)
     nnodes = parse_count(args.nnodes, what="--nnodes")
@@ -198,7 +198,7 @@ def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from ._options import add_option_flags
+    from .._option_sources import add_option_flags
 
     p.add_argument("--out", default="memplan-run", help="output folder (default memplan-run)")
     p.add_argument(

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from estimators import Estimator, Task, load_task, parse_count
 
-from ._cli_args import (
+from .._paths import writable_dir, writable_file
+from ..reports._report import estimate_table
+from ._args import (
     add_common_args,
     add_config_args,
     add_launch_args,
@@ -25,12 +27,10 @@ from ._cli_args import (
     layout_from,
     search_kwargs,
 )
-from ._paths import writable_dir, writable_file
-from ._report import estimate_table
 
 if TYPE_CHECKING:
-    from .planning import Plan
-    from .training import TrainOptions, TrainResult
+    from ..planning import Plan
+    from ..training import TrainOptions, TrainResult
 
 __all__ = ["EstimateCommand", "ProbeCommand", "PlanCommand", "FitCommand", "TrainCommand"]
 
@@ -56,7 +56,7 @@ class EstimateCommand:
         estimator = Estimator(task, device=args.device, gpu=args.gpu, shape_policy=args.shape_policy)
         est = estimator.shape_distribution(config, exact=True)
         if args.plot or args.snapshot:
-            from ._timeline_out import write_timeline_outputs
+            from ..reports._timeline_out import write_timeline_outputs
             for line in write_timeline_outputs(
                 estimator, config, plot=args.plot, snapshot=args.snapshot, vram=args.vram
             ):
@@ -123,8 +123,8 @@ class PlanCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._fit import layout_kwargs
-        from .planning import search
+        from .._fit import layout_kwargs
+        from ..planning import search
 
         gpus, nodes = layout_from(args)
         # Where the results go, checked before a search that may take minutes.
@@ -132,7 +132,7 @@ class PlanCommand:
             writable_file(args.out, "--out")
         if args.plot:
             writable_file(args.plot, "--plot")
-            from ._plots import require_matplotlib
+            from ..reports._plots import require_matplotlib
 
             require_matplotlib()  # fail before the search, not after it
         plan = search(
@@ -150,7 +150,7 @@ class PlanCommand:
 
 def _lr_auto(args: argparse.Namespace, task: Task) -> bool:
     """``--lr auto`` (or ``lr = "auto"`` in the config or the settings)."""
-    from ._fit import wants_auto_lr
+    from .._fit import wants_auto_lr
 
     return wants_auto_lr(getattr(args, "option_lr", None), getattr(args, "config_values", None) or {}, task.settings)
 
@@ -158,7 +158,7 @@ def _lr_auto(args: argparse.Namespace, task: Task) -> bool:
 def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOptions:
     from pathlib import Path
 
-    from ._options import option_specs, resolve_options
+    from .._option_sources import option_specs, resolve_options
 
     config = getattr(args, "config_values", None)
     settings = task.settings
@@ -186,7 +186,7 @@ def _train_options(args: argparse.Namespace, device: str, task: Task) -> TrainOp
 
 def _compile_said(args: argparse.Namespace, task: Task) -> bool | None:
     """What the command line, the config file or the model file said of --compile (None: nothing)."""
-    from ._fit import compile_said
+    from .._fit import compile_said
 
     return compile_said(
         getattr(args, "option_compile", None), getattr(args, "config_values", None) or {}, dict(task.settings)
@@ -242,8 +242,8 @@ class FitCommand:
     def run(self, args: argparse.Namespace) -> int:
         from estimators import ConfigError
 
-        from ._fit import fit, resumed_plan
-        from .planning import resolve_task
+        from .._fit import fit, resumed_plan
+        from ..planning import resolve_task
 
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
         gpus, nodes = layout_from(args)
@@ -287,8 +287,8 @@ class TrainCommand:
         add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._fit import options_for_plan, run_folder, train_plan
-        from .planning import Plan
+        from .._fit import options_for_plan, run_folder, train_plan
+        from ..planning import Plan
 
         task = load_task(args.model)
         options = _train_options(args, "cpu", task)

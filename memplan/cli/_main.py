@@ -1,7 +1,7 @@
 """The ``memplan`` command: estimate, probe, plan, fit, train, init, doctor, lr-find.
 
 Subcommands are small classes registered in one dict (those that estimate, plan and train
-in ``_cli_commands``, their shared arguments in ``_cli_args``); ``main(argv) -> int``. Every
+in ``_commands``, their shared arguments in ``_args``); ``main(argv) -> int``. Every
 :class:`MemplanError` becomes one line on stderr and exit code 2.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from estimators import MemplanError
 
-from ._cli_commands import EstimateCommand, FitCommand, PlanCommand, ProbeCommand, TrainCommand
-from ._version import __version__
+from .._version import __version__
+from ._commands import EstimateCommand, FitCommand, PlanCommand, ProbeCommand, TrainCommand
 
 __all__ = ["main"]
 
@@ -57,12 +57,12 @@ class DoctorCommand:
     name = "doctor"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ._doctor_cli import add_doctor_arguments
+        from ._doctor import add_doctor_arguments
 
         add_doctor_arguments(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._doctor_cli import run_doctor
+        from ._doctor import run_doctor
 
         return run_doctor(args)
 
@@ -73,12 +73,12 @@ class LrFindCommand:
     name = "lr-find"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ._lr_find import add_lr_find_arguments
+        from ..diagnostics._lr_find import add_lr_find_arguments
 
         add_lr_find_arguments(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._lr_find import run_lr_find
+        from ..diagnostics._lr_find import run_lr_find
 
         return run_lr_find(args)
 
@@ -128,7 +128,7 @@ def _torch_version() -> str:
 def _apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """The config file's search keys fill the flags not written out; its training options
     are kept for ``_train_options`` in ``_cli_commands`` (below the flags, above the model file's settings)."""
-    from ._options import SEARCH_KEYS, explicit_dests, read_config
+    from .._option_sources import SEARCH_KEYS, explicit_dests, read_config
 
     config = read_config(args.config)
     given = explicit_dests(parser, argv)

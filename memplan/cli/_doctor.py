@@ -7,7 +7,7 @@ from pathlib import Path
 
 from estimators import ConfigError, parse_count
 
-from ._doctor import CHECKS, doctor
+from ..diagnostics._doctor import CHECKS, doctor
 
 __all__ = ["add_doctor_arguments", "run_doctor", "DOCTOR_FILE"]
 

@@ -37,7 +37,7 @@ from estimators import (
     parse_count,
 )
 
-from .planning._space import DEFAULT_GLOBAL_BATCH
+from ..planning._space import DEFAULT_GLOBAL_BATCH
 
 __all__ = ["LrFindResult", "lr_find", "suggest", "add_lr_find_arguments", "run_lr_find"]
 
@@ -140,7 +140,7 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
 
 
 def plot_lr_find(result: LrFindResult, path: str | Path) -> Path:
-    from ._plots import require_matplotlib, save_figure
+    from ..reports._plots import require_matplotlib, save_figure
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(result.lrs, result.losses, color="#bab0ab", linewidth=0.8, label="loss")
@@ -183,7 +183,7 @@ def run_lr_find(args: argparse.Namespace) -> int:
 
     config: TrainConfig | None = None
     if args.plan:
-        from .planning import Plan
+        from ..planning import Plan
 
         config = Plan.load(args.plan).config
     batch = (
@@ -193,7 +193,7 @@ def run_lr_find(args: argparse.Namespace) -> int:
     )
     precision = args.precision or (config.precision if config else "fp32")
     if args.plot:
-        from ._plots import require_matplotlib
+        from ..reports._plots import require_matplotlib
 
         require_matplotlib()
     result = lr_find(

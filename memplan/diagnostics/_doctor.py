@@ -19,7 +19,7 @@ default, seeded, in a few seconds for small models:
   takes as long as the step; only a note under 10 ms a step, where any loader's fixed cost
   shows).
 
-Each finding names an entry of :data:`memplan._problems.PROBLEMS` (cause and fix).
+Each finding names an entry of :data:`memplan.diagnostics._problems.PROBLEMS` (cause and fix).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, Subset
 
 from estimators import Task, load_task
 
+from ..planning._space import DEFAULT_GLOBAL_BATCH
 from ._problems import DoctorReport, Finding, Severity
-from .planning._space import DEFAULT_GLOBAL_BATCH
 
 __all__ = ["doctor", "CHECKS", "loader_finding"]
 

@@ -2,7 +2,7 @@
 
 It reads what the run left in OUT — ``plan.json``, ``summary.json``, ``metrics.jsonl`` and,
 when ``memplan doctor --out OUT`` ran, ``doctor.json`` — and draws its charts as inline SVG
-(``memplan._svg``): no script, no stylesheet or font fetched, so it opens offline.
+(``memplan.reports._svg``): no script, no stylesheet or font fetched, so it opens offline.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from estimators import Category, ConfigError, Estimate, format_size
 if TYPE_CHECKING:
     from estimators import Timeline
 
-    from .planning._plan import Plan
+    from ..planning._plan import Plan
 
 __all__ = ["require_matplotlib", "plot_timeline", "PlanPoint", "plan_points", "pareto_front", "plot_plan",
            "figure_png", "save_figure", "timeline_figure", "plan_figure", "record_plan_plot"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from estimators import ConfigError
 
-from ._options import config_template
+from .._option_sources import config_template
 
 __all__ = ["write_templates", "MODEL_TEMPLATE"]
 

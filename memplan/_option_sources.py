@@ -433,6 +433,6 @@ def write_tables(page: Path = OPTIONS_PAGE) -> list[str]:
     return changed
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m memplan._options` rewrites docs/options.md's tables
+if __name__ == "__main__":  # pragma: no cover - `python -m memplan._option_sources` rewrites docs/options.md's tables
     names = write_tables()
     sys.stdout.write(f"{OPTIONS_PAGE}: {', '.join(names) + ' rewritten' if names else 'already current'}\n")

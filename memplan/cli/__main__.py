@@ -1,0 +1,5 @@
+"""``python -m memplan.cli``: the ``memplan`` command."""
+
+from ._main import main
+
+raise SystemExit(main())
