@@ -24,9 +24,9 @@ from ._errors import (
 from ._step_options import StepOptions
 from ._units import format_size, parse_count, parse_size
 from .estimator._estimate import BatchShapes, Estimate, Estimator, ShapePeak, estimate, resolve_target
+from .estimator._snapshot import write_snapshot
 from .estimator._timeline import Timeline, predicted_timeline
 from .hardware._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
-from .memory._snapshot import write_snapshot
 from .probing._probe import prestart, probe
 from .probing._race import race
 from .runtime._build import BuiltModel, build_for_training, checkpoint_more

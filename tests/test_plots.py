@@ -12,7 +12,7 @@ import torch.cuda._memory_viz as memory_viz
 
 from estimators import ConfigError, Estimator, TrainConfig, load_task
 from estimators.estimator._timeline import predicted_timeline
-from estimators.memory._snapshot import snapshot_peak, to_snapshot, write_snapshot
+from estimators.estimator._snapshot import snapshot_peak, to_snapshot, write_snapshot
 from estimators.tracing._recorder import Category
 from memplan.cli import main
 

@@ -22,9 +22,9 @@ import pickle
 from pathlib import Path
 from typing import Literal, TypedDict
 
-from ..estimator._timeline import Timeline
+from ..memory._allocator import CachingAllocatorSim
 from ..tracing._recorder import Category
-from ._allocator import CachingAllocatorSim
+from ._timeline import Timeline
 
 __all__ = ["to_snapshot", "write_snapshot", "snapshot_peak", "Snapshot"]
 
