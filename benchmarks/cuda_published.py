@@ -39,8 +39,9 @@ import datetime as _dt
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from estimators import Estimator, TrainConfig, load_task  # noqa: E402
-from estimators.runtime import _precision  # noqa: E402
+from estimators.tracing import _trace as _tracing  # noqa: E402
 from estimators.tracing._trace import trace_step  # noqa: E402
 
 MIB = 2**20
@@ -84,7 +85,7 @@ def _cpu_policy() -> Iterator[None]:
     @contextlib.contextmanager
     def none(*args: Any, **kwargs: Any) -> Iterator[None]:
         yield None
-    with mock.patch.object(_precision, "trace_semantics", none):
+    with mock.patch.object(_tracing, "trace_semantics", none):
         yield
 
 

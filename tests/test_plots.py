@@ -11,8 +11,8 @@ import pytest
 import torch.cuda._memory_viz as memory_viz
 
 from estimators import ConfigError, Estimator, TrainConfig, load_task
-from estimators.estimator._timeline import predicted_timeline
 from estimators.estimator._snapshot import snapshot_peak, to_snapshot, write_snapshot
+from estimators.estimator._timeline import predicted_timeline
 from estimators.tracing._recorder import Category
 from memplan.cli import main
 
@@ -155,8 +155,8 @@ def test_missing_matplotlib_is_one_line_naming_the_extra(task, tmp_path, capsys,
 
 
 def test_plan_plot_marks_infeasible_chosen_and_the_front(task, tmp_path, closing):
-    from memplan.reports._plots import PlanPoint, pareto_front
     from memplan.planning import search
+    from memplan.planning._plot import PlanPoint, pareto_front
 
     estimator = closing(task, device="cpu")
     small = estimator.estimate(TrainConfig(micro_batch_size=8, grad_accum_steps=32), exact=True).peak_allocated_bytes

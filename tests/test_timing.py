@@ -17,7 +17,15 @@ from estimators import Estimator, Task, TrainConfig
 from estimators.timing import _cpu_rates
 from estimators.timing._calibration import TimeCalibration
 from estimators.timing._cpu_rates import cpu_rates, cpu_rates_path
-from estimators.timing._timing import OP_CLASSES, DeviceRates, OpCosts, StepTimeParts, op_class, step_time_parts
+from estimators.timing._timing import (
+    OP_CLASSES,
+    DeviceRates,
+    OpCosts,
+    StepTimeParts,
+    costs_of,
+    op_class,
+    step_time_parts,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -224,7 +232,7 @@ def test_estimator_calibration_fits_overhead_and_work_apart():
     split = []
     for c in configs:
         p, _ = est._events(c)
-        split.append(step_time_parts(p.op_costs(), p.phase_labels, 1, est.rates()))
+        split.append(step_time_parts(costs_of(p), p.phase_labels, 1, est.rates()))
     before = est.estimate(configs[2]).step_time_s
     assert before == pytest.approx(split[2].total_s)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ..timing._timing import OpCosts, op_costs
 from ..tracing._recorder import Category
 from ..tracing._trace import Trace
 from ._workspace import Source, WorkspaceFit
@@ -34,7 +34,9 @@ class Prepared:
     method: str
     notes: tuple[str, ...] = ()
     ops: list = field(default_factory=list)
-    costs: OpCosts | None = None
+    costs: Any = None
+    """The ops' FLOPs and bytes moved, as the time model computes them (``timing.costs_of``
+    fills this in once; batch scaling sets it scaled): kept here, computed there."""
     host_allocs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Allocations in host memory on any device (see ``Trace.host_allocs``)."""
     workspaces: tuple[np.ndarray, WorkspaceFit, list[Source | None]] | None = None
@@ -43,11 +45,6 @@ class Prepared:
     draws: tuple[int, int, int | None] | None = None
     """(real batches, batch offset of the fullest, its peak or None) of a data-dependent
     model's real runs (see ``TraceSource._worst_real_trace``)."""
-
-    def op_costs(self) -> OpCosts:
-        if self.costs is None:
-            self.costs = op_costs(self.ops)
-        return self.costs
 
 
 def prepare(trace: Trace, *, workspaces: Sequence[int] | None, cublas_workspace_bytes: int | None,

@@ -45,8 +45,7 @@ def _zygote_main(ctl_fd: int) -> None:
     t0 = time.monotonic()
     import torch  # noqa: F401
 
-    import estimators  # noqa: F401
-
+    # (Each module's import runs the estimators package's first: the whole public API loads.)
     for name in _PRELOAD:
         try:
             importlib.import_module(name)

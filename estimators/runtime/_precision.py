@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import torch
 import torch.nn as nn
@@ -34,9 +34,6 @@ from torch.utils._pytree import tree_map
 
 from .._config import Precision, normalize_precision
 from .._types import Batch
-
-if TYPE_CHECKING:
-    from ..tracing._cuda_semantics import CudaRun
 
 __all__ = [
     "autocast_dtype",
@@ -49,8 +46,6 @@ __all__ = [
     "ScalerSettings",
     "backward",
     "optimizer_step",
-    "trace_semantics",
-    "semantics_notes",
 ]
 
 
@@ -133,35 +128,6 @@ def forward_context(precision: Precision | str, device_type: str) -> Iterator[No
         return
     with torch.autocast(device_type=device_type, dtype=dtype):
         yield
-
-
-@contextlib.contextmanager
-def trace_semantics(
-    precision: Precision | str, *, cuda: bool, capability: tuple[int, int] | None = None, fake: bool = True
-) -> Iterator[CudaRun | None]:
-    """Around a whole traced step (forward, backward, optimizer) for a CUDA target: the trace's
-    CPU tensors take CUDA's kernel semantics, so that :func:`forward_context`'s CPU autocast
-    casts as ``torch.autocast("cuda", dtype)`` does (see ``estimators.tracing._cuda_semantics``). The
-    trainer on a real GPU runs real CUDA autocast and needs none of this. Yields what the
-    trace met (for :func:`semantics_notes`), or None for a CPU target.
-    """
-    if not cuda:
-        yield None
-        return
-    from ..tracing._cuda_semantics import cuda_semantics
-
-    with cuda_semantics(capability, autocast=autocast_dtype(precision) is not None, fused_attention=fake) as run:
-        yield run
-
-
-def semantics_notes(run: CudaRun | None, op_names: set[str] | None = None) -> list[str]:
-    """The assumptions a :func:`trace_semantics` trace made (``op_names``: the aten ops it ran),
-    for the estimate's notes."""
-    if run is None:
-        return []
-    from ..tracing._cuda_semantics import cuda_notes
-
-    return cuda_notes(run, op_names or set())
 
 
 class ScalerSettings(TypedDict, total=False):

@@ -25,7 +25,7 @@ import numpy as np
 from ..hardware._gpus import GPUSpec
 from ..memory._prepare import Prepared
 from ..tracing._recorder import Category
-from ._timing import DeviceRates, _work_per_op
+from ._timing import DeviceRates, _work_per_op, costs_of
 
 __all__ = ["LINK_EFFICIENCY", "OffloadTime", "host_link_bytes_per_s", "activation_offload_time"]
 
@@ -97,7 +97,7 @@ def _offloaded_per_phase(p: Prepared) -> np.ndarray:
 
 def _compute_per_phase(p: Prepared, rates: DeviceRates) -> np.ndarray:
     """Uncalibrated seconds of each phase's kernels (roofline work plus per-op overhead)."""
-    costs = p.op_costs()
+    costs = costs_of(p)
     per_op = _work_per_op(costs, p.phase_labels, rates) + rates.op_overhead_s
     return (
         np.bincount(costs.phase, weights=per_op, minlength=len(p.phase_labels))

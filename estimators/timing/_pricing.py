@@ -22,7 +22,7 @@ from ._activation_offload_time import activation_offload_time
 from ._calibration import TimeCalibration
 from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
 from ._cpu_offload_time import cpu_offload_time
-from ._timing import DeviceRates, OpCosts, StepTimeParts, step_time, step_time_parts
+from ._timing import DeviceRates, OpCosts, StepTimeParts, costs_of, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
 
@@ -63,7 +63,7 @@ def step_seconds(parts: StepTimeParts, fixed: float, calibration: TimeCalibratio
 def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: TimeCalibration,
           facts: ModelFacts, spec: GPUSpec | None) -> Price:
     """One optimizer step of ``config`` on the target of ``rates``, from ``p``'s op costs."""
-    costs = p.op_costs()
+    costs = costs_of(p)
     offload = None
     if config.cpu_offload and spec is not None:
         # The optimizer steps on the CPU: its ops leave the card's roofline for the host's.
@@ -114,7 +114,7 @@ def _comm_time(config: TrainConfig, p: Prepared, facts: ModelFacts, spec: GPUSpe
 
 def _pass_time(p: Prepared, kind: str, rates: DeviceRates) -> float:
     """Compute time of one steady-state micro-batch's forward or backward pass."""
-    costs = p.op_costs()
+    costs = costs_of(p)
     keep = np.asarray([p.phase_labels[int(ph)].endswith(kind) for ph in costs.phase], dtype=bool)
     if not keep.any():
         return 0.0

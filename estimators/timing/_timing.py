@@ -38,6 +38,7 @@ import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..hardware._gpus import GPUSpec
+from ..memory._prepare import Prepared
 
 __all__ = [
     "DeviceRates", "gpu_rates", "OP_CLASSES", "op_class", "OpCosts", "op_costs",
@@ -166,6 +167,14 @@ class OpCosts:
     dtype: list[str]
     phase: np.ndarray
     names: list[str] = field(default_factory=list)
+
+
+def costs_of(prepared: Prepared) -> OpCosts:
+    """The op costs of a prepared trace, computed once and kept on it."""
+    if prepared.costs is None:
+        prepared.costs = op_costs(prepared.ops)
+    costs: OpCosts = prepared.costs
+    return costs
 
 
 def op_costs(ops: Sequence) -> OpCosts:

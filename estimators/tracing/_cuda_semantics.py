@@ -27,10 +27,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .._config import Precision
+from ..runtime._precision import autocast_dtype
 from . import _sdpa
 from ._cuda_autocast import cuda_autocast_policy
 
-__all__ = ["cuda_semantics", "CudaRun", "DEFAULT_CAPABILITY", "cuda_notes"]
+__all__ = ["cuda_semantics", "CudaRun", "DEFAULT_CAPABILITY", "cuda_notes", "trace_semantics", "semantics_notes"]
 
 _TURN = threading.Lock()  # the overrides are process-wide: one CUDA-semantics step at a time
 
@@ -111,3 +113,28 @@ def cuda_notes(run: CudaRun | None, op_names: set[str] | frozenset[str] = frozen
         notes.append("cuDNN convolution workspaces not modelled: cuDNN may pick algorithms whose "
                      "workspace takes free memory up to its limit; keep headroom")
     return notes
+
+
+@contextlib.contextmanager
+def trace_semantics(
+    precision: Precision | str, *, cuda: bool, capability: tuple[int, int] | None = None, fake: bool = True
+) -> Iterator[CudaRun | None]:
+    """Around a whole traced step (forward, backward, optimizer) for a CUDA target: the trace's
+    CPU tensors take CUDA's kernel semantics, so that ``runtime._precision.forward_context``'s CPU autocast
+    casts as ``torch.autocast("cuda", dtype)`` does (see :func:`cuda_semantics`). The
+    trainer on a real GPU runs real CUDA autocast and needs none of this. Yields what the
+    trace met (for :func:`semantics_notes`), or None for a CPU target.
+    """
+    if not cuda:
+        yield None
+        return
+    with cuda_semantics(capability, autocast=autocast_dtype(precision) is not None, fused_attention=fake) as run:
+        yield run
+
+
+def semantics_notes(run: CudaRun | None, op_names: set[str] | None = None) -> list[str]:
+    """The assumptions a :func:`trace_semantics` trace made (``op_names``: the aten ops it ran),
+    for the estimate's notes."""
+    if run is None:
+        return []
+    return cuda_notes(run, op_names or set())

@@ -25,12 +25,13 @@ from estimators.tracing import _simulated_ranks as _distributed
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
 from .._step_options import StepOptions
-from ..runtime import _activation_offload, _precision
+from ..runtime import _activation_offload
 from ..runtime._build import BuiltModel, build_for_training
 from ..runtime._planned import PlannedSteps
 from ..runtime._step import StepHooks
 from ..task._task import Task, _one_line
 from . import _cpu_offload
+from ._cuda_semantics import semantics_notes, trace_semantics
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
 from ._profiler import allocated_bytes, event_tree, walk_events
 from ._recorder import Category, OnCompute, OpRecord, Recorder, RecordingHooks, recorded_rng_states
@@ -144,7 +145,7 @@ def trace_step(
     whose FLOPs torch counts (kernel workspaces replay them: ``memory._workspace``).
 
     ``target`` is the device type the estimate is for: on ``"cuda"`` the step runs CUDA's
-    kernel semantics on CPU tensors (``_precision.trace_semantics``: CUDA's autocast policy,
+    kernel semantics on CPU tensors (``_cuda_semantics.trace_semantics``: CUDA's autocast policy,
     attention backend of the card of compute ``capability``, bool dropout masks) and the
     optimizer its multi-tensor (foreach) implementation, as PyTorch's optimizers default to
     there.
@@ -213,7 +214,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 if config.cpu_offload and cuda:
                     stack.enter_context(_cpu_offload.device_copies())
                 semantics = stack.enter_context(
-                    _precision.trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
+                    trace_semantics(config.precision, cuda=cuda, capability=capability, fake=not real))
                 if cuda:  # offloaded activations go to host memory and back, as on the card
                     stack.enter_context(_activation_offload.simulated_transfers())
                 run_steps(task, config, built, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
@@ -226,7 +227,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         raise _step_failed(exc, task, config, b, real=real) from exc
     finally:
         del model, built
-    notes = tuple(_precision.semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
+    notes = tuple(semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
     if options is not None and options.compile:
         notes += (_COMPILE_NOTE,)
     return _finished(rec, phase_labels, prof, config, b, "measured-cpu" if real else "traced", notes, derive=derive)

@@ -132,7 +132,7 @@ class PlanCommand:
             writable_file(args.out, "--out")
         if args.plot:
             writable_file(args.plot, "--plot")
-            from ..reports._plots import require_matplotlib
+            from .._figures import require_matplotlib
 
             require_matplotlib()  # fail before the search, not after it
         plan = search(

@@ -140,7 +140,7 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
 
 
 def plot_lr_find(result: LrFindResult, path: str | Path) -> Path:
-    from ..reports._plots import require_matplotlib, save_figure
+    from .._figures import require_matplotlib, save_figure
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(result.lrs, result.losses, color="#bab0ab", linewidth=0.8, label="loss")
@@ -193,7 +193,7 @@ def run_lr_find(args: argparse.Namespace) -> int:
     )
     precision = args.precision or (config.precision if config else "fp32")
     if args.plot:
-        from ..reports._plots import require_matplotlib
+        from .._figures import require_matplotlib
 
         require_matplotlib()
     result = lr_find(

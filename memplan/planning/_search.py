@@ -249,7 +249,7 @@ def search(
         structure=structure,
     )
     if plot is not None:
-        from ..reports._plots import record_plan_plot
+        from ._plot import record_plan_plot
 
         record_plan_plot(plan, estimates, os.fspath(plot), mirrored.persistent)
     return plan
