@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..tracing._recorder import Category
-from ._allocator import CachingAllocatorSim
+from ._allocator import simulate
 from ._prepare import Prepared
 
 __all__ = ["MemoryPeak", "replay", "replay_sizes"]
@@ -69,15 +69,9 @@ def replay_sizes(p: Prepared, device: str) -> np.ndarray:
 
 
 def _simulate_reserved(sizes: np.ndarray, event_alloc: np.ndarray, event_sign: np.ndarray) -> int:
-    sim = CachingAllocatorSim()
-    handles: dict[int, int] = {}
-    for index, sign in zip(event_alloc.tolist(), event_sign.tolist()):
-        if sign > 0:
-            n = int(sizes[index])
-            if n > 0:
-                handles[index] = sim.malloc(n)
-        else:
-            h = handles.pop(index, None)
-            if h is not None:
-                sim.free(h)
-    return sim.stats.peak_reserved
+    """The caching allocator's peak reserved bytes over the trace's events (the one replay,
+    :func:`~estimators.memory._allocator.simulate`; empty allocations take no block)."""
+    nbytes = sizes.tolist()
+    events = ((index, nbytes[index] if sign > 0 else 0)
+              for index, sign in zip(event_alloc.tolist(), event_sign.tolist()) if nbytes[index] > 0)
+    return simulate(events).peak_reserved
