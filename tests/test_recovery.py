@@ -121,8 +121,8 @@ class _Hooked(Trainer):
 
     hook: Any = None
 
-    def _step_down(self, **kw: Any) -> None:
-        super()._step_down(**kw)
+    def _switch_config(self, new: TrainConfig) -> None:  # what a recovery's step down applies
+        super()._switch_config(new)
         self.at_recovery.append(self.memory_guard.live_bytes)  # type: ignore[union-attr]
 
     def _after_window(self, window: Any, outcome: Any) -> None:
@@ -143,10 +143,16 @@ def run_hooked(task: Task, config: TrainConfig, options: TrainOptions, guard: Me
 
 def test_exhausted_ladder_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     class Squeezed(Trainer):
-        def _save_checkpoint(self) -> None:
-            super()._save_checkpoint()
-            if self.step == 2:  # from now on nothing fits: every configuration runs out of memory
-                self.memory_guard.budget_bytes = self.memory_guard.live_bytes + 64  # type: ignore[union-attr]
+        def _setup(self) -> None:
+            super()._setup()
+            save = self.checkpoints.save
+
+            def squeezing_save(state: Any, **kw: Any) -> None:
+                save(state, **kw)
+                if state.step == 2:  # from now on nothing fits: every configuration runs out of memory
+                    self.memory_guard.budget_bytes = self.memory_guard.live_bytes + 64  # type: ignore[union-attr]
+
+            self.checkpoints.save = squeezing_save  # type: ignore[method-assign]
 
     out = tmp_path / "exhausted"
     with pytest.raises(TrainingError) as info:
@@ -325,7 +331,7 @@ def test_steps_down_to_more_checkpointing_and_lower_precision(tmp_path: Path) ->
     trainer = Trainer(task, BIG, opts(tmp_path, "down", eval_every=None), memory_guard=guard, ladder=ladder)
     result = trainer.run()
     assert [e["to"] for e in result.summary["recoveries"]] == [c.to_dict() for c in ladder]
-    assert result.steps == 8 and trainer.config == ladder[-1] and trainer.scaler is not None
+    assert result.steps == 8 and trainer.config == ladder[-1] and trainer.precision.scaler is not None
     blocks = list(trainer.model.children())[1:5]
     assert all("forward" in b.__dict__ for b in blocks)  # all four blocks checkpointed now
     assert all(math.isfinite(r["loss"]) for r in records(tmp_path / "down", "step"))

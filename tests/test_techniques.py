@@ -380,9 +380,9 @@ def test_grad_scaler_parameters_reach_the_scaler_and_the_recovery_switch(tmp_pat
     trainer = Trainer(tiny_task(), TrainConfig(micro_batch_size=8, precision="fp32"), o)
     trainer._setup_data()
     trainer._setup()
-    assert trainer.scaler is None
+    assert trainer.precision.scaler is None
     trainer._switch_config(TrainConfig(micro_batch_size=4, grad_accum_steps=2, precision="fp16-mixed"))
-    s = trainer.scaler
+    s = trainer.precision.scaler
     assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (256.0, 4.0, 0.25, 2)
 
 
@@ -406,12 +406,12 @@ def test_loader_settings_reach_the_dataloader(tmp_path: Path) -> None:
     o = opts(tmp_path, "dl", max_steps=2, num_workers=1, persistent_workers=True, prefetch_factor=3, pin_memory=False)
     trainer = Trainer(tiny_task(), TrainConfig(micro_batch_size=8), o)
     trainer.run()
-    loader = trainer.train_loader
+    loader = trainer.data.train_loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (1, True, 3, False)
     assert trainer.step == 2
     auto = Trainer(tiny_task(), TrainConfig(micro_batch_size=8), opts(tmp_path, "auto", pin_memory=True))
     auto._setup_data()
-    assert auto.train_loader.pin_memory and not auto.train_loader.persistent_workers  # 0 workers for tensors
+    assert auto.data.train_loader.pin_memory and not auto.data.train_loader.persistent_workers  # 0 workers for tensors
     with pytest.raises(ConfigError, match="TrainOptions.persistent_workers") as info:
         Trainer(tiny_task(), TrainConfig(micro_batch_size=8), opts(tmp_path, "pw", persistent_workers=True,
                                                                     num_workers=None)).run()

@@ -284,11 +284,11 @@ def test_a_window_can_be_replayed_with_another_micro_batch_size(tmp_path: Path) 
     trainer = Trainer(linear_task(x, y, []), config, o)
     trainer._setup_data()
     trainer._setup()
-    window, _ = next(trainer._windows())
+    window, _ = next(trainer.data.windows(0, 0))
     smaller = config.replace(micro_batch_size=1, grad_accum_steps=8)
     window = window.recut(smaller.micro_batch_size)
     assert [len(m) for m in window.micro_indices] == [1] * 8
-    outcome = trainer._run_window(window, trainer._collate_window(window), smaller)
+    outcome = trainer.window_step.run(window, trainer.data.collate_window(window), smaller, step=1)
     assert outcome.applied
     assert_same_state(trainer.model.state_dict(), torch.load(tmp_path / "plain" / "model.pt"), atol=1e-6)
 

@@ -1,22 +1,26 @@
 """Training: run one ``TrainConfig`` -- on one device, or as the ranks of a DDP/FSDP2 run --
 exactly as the estimator predicted it, and recover from running out of memory.
 
-Where each part lives (the :class:`Trainer` is made of the parts marked *part*):
+Where each part lives (the :class:`Trainer` holds the loop and the objects marked *part*, each
+made with what it uses; the progress they share is the :class:`TrainState`, passed to them):
 
 ``_trainer``        :class:`Trainer` and :func:`train`: set up, resume, the loop, the end.
 ``_options``        :class:`TrainOptions` (how to train) and its checks.
 ``_state``          :class:`TrainState`, the progress saved in checkpoints; :class:`TrainResult`.
-``_data``           the data order (a pure function of seed and epoch), loaders, windows (*part*).
-``_window``         THE STEP: one window's forward/backward, clipping, optimizer step; EMA (*part*).
-``_evaluation``     validation metrics, best weights, early stopping, the written weights (*part*).
-``_checkpoints``    what ``checkpoint.pt`` holds; save, resume, restore (*part*).
+``_data``           the data order (a pure function of seed and epoch); ``TrainData``: loaders, windows (*part*).
+``_window``         THE STEP: ``WindowStep``, one window's forward/backward, clipping, optimizer step (*part*).
+``_precision``      ``TrainPrecision``: the precision's name and its GradScaler (*part*).
+``_schedules``      the learning-rate schedules: the interface, the built-in shapes, ``make_schedule``.
+``_evaluation``     ``Evaluator``: validation metrics, best weights, early stopping, the written weights (*part*).
+``_checkpoints``    ``CheckpointManager``: what ``checkpoint.pt`` holds; save, load, restore (*part*).
 ``_checkpoint_io``  atomic files, the kept previous checkpoint, sharded (DCP) folders.
-``_metrics``        ``metrics.jsonl``, the progress bar, peak memory, ``summary.json`` (*part*).
+``_metrics``        ``Metrics``: ``metrics.jsonl``, the progress bar, the largest batch; ``summary.json`` (*part*).
+``_memory``         the phase told to the memory guard, the measured peak (*parts*).
 ``_monitor``        NVML readings and per-layer gradient norms.
-``_signals``        SIGINT/SIGTERM (*part*).
-``_oom``            in-process OOM recovery: step down the ladder, replay the window (*part*).
-``_recovery``       OOM helpers (undo copies, rung choice, records) and :func:`keep_global_batch`.
-``_distributed``    what the ranks agree on (*part*).
+``_signals``        ``StopSignals``: SIGINT/SIGTERM (*part*).
+``_oom``            ``InProcessRecovery``: step down the ladder, replay the window (*part*).
+``_recovery``       OOM helpers (the ``Ladder``, undo copies, rung choice, records) and :func:`keep_global_batch`.
+``_distributed``    ``RankAgreement``: what the ranks agree on (*part*).
 ``_launch``         :func:`launch_training`: start the ranks, relaunch them one rung down after an OOM.
 ``_out_dir``        the output folder: held by one run at a time; a fresh run never over another's results.
 ``_rank``           one rank's entry point and failure report.

@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.data import DataLoader
 
 from estimators import ConfigError, TrainConfig, TrainingError
 
@@ -37,7 +36,12 @@ from ._checkpoint_io import (
 if TYPE_CHECKING:
     from estimators import EMA, Task
 
+    from ._distributed import RankAgreement
+    from ._memory import Phase
+    from ._metrics import Metrics
     from ._options import TrainOptions
+    from ._precision import TrainPrecision
+    from ._recovery import Ladder
     from ._schedules import LRSchedule
     from ._state import TrainState
 
@@ -48,208 +52,191 @@ log = logging.getLogger("memplan.trainer")
 CHECKPOINT_FORMAT = 1
 
 
-class _Checkpoints:
-    """Save, resume and restore (a part of :class:`~memplan.training.Trainer`)."""
+class CheckpointManager:
+    """``checkpoint.pt`` in ``out_dir``: :meth:`save`, and :meth:`load` then :meth:`restore` to resume.
 
-    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
-    task: Task
-    config: TrainConfig
-    options: TrainOptions
-    state: TrainState
-    device: torch.device
-    world_size: int
-    is_main: bool  # _RankAgreement's (read-only) property
-    out_dir: Path
-    checkpoint_path: Path
-    best_path: Path
-    last_checkpoint_step: int | None
-    _last_dcp: str | None
-    _pending_evaluation: bool
-    n_train: int
-    val_loader: DataLoader | None
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    ema: EMA | None
-    schedule: LRSchedule
-    ladder: list[TrainConfig]
-    _tried: list[TrainConfig]
-    recoveries: list[dict[str, Any]]
-    _decided: dict[str, Any] | None
-    _set_phase: Callable[[str], None]
-    _flush_log: Callable[[], None]
-    _agree: Callable[[bool], bool]
-    _switch_config: Callable[[TrainConfig], None]
+    What it saves is handed to it: the model, optimizer, schedule, EMA and precision (its
+    GradScaler), the :class:`Ladder` (the running configuration and the OOM recovery record),
+    and at each save the :class:`TrainState`. ``ranks`` decides who writes and checks that
+    every rank's weights are finite; ``metrics`` is flushed first (a resume continues the log
+    from here).
+    """
 
-    def _save_checkpoint(self, *, collective: bool = True, pending_evaluation: bool = False) -> None:
+    def __init__(self, out_dir: Path, *, task: Task, options: TrainOptions, n_train: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, schedule: LRSchedule, ema: EMA | None, precision: TrainPrecision,
+                 ladder: Ladder, ranks: RankAgreement, metrics: Metrics, phase: Phase, best_path: Path) -> None:
+        self.out_dir, self.path, self.best_path = out_dir, out_dir / "checkpoint.pt", best_path
+        self.task, self.options, self.n_train = task, options, n_train
+        self.model, self.optimizer, self.schedule, self.ema = model, optimizer, schedule, ema
+        self.precision, self.ladder, self.ranks, self.metrics, self.phase = precision, ladder, ranks, metrics, phase
+        self.sharded = ladder.config.strategy == "fsdp"
+        self.last_step: int | None = None
+        """The step of the last checkpoint written or resumed from (None: none yet)."""
+        self._last_dcp: str | None = None  # the sharded folder the last checkpoint.pt names
+        self._source = self.path  # the file load() read (the kept previous one when the latest is damaged)
+
+    def save(self, state: TrainState, *, collective: bool = True, pending_evaluation: bool = False) -> None:
         """``checkpoint.pt``; under FSDP2 with the sharded tensors in a ``torch.distributed.checkpoint``
         folder beside it. ``collective=False``: this rank alone writes it (a DDP rank after an
         OOM, whose replicated state is that of every rank; the others cannot be reached)."""
-        self._set_phase("checkpoint")
-        self._flush_log()  # a resume continues from here: the lines before it must be on disk
+        self.phase.set("checkpoint")
+        self.metrics.flush()  # a resume continues from here: the lines before it must be on disk
         finite = _all_finite(self.model)
         if collective:
-            finite = self._agree(finite)  # FSDP: each rank checked its own shards
+            finite = self.ranks.agree(finite)  # FSDP: each rank checked its own shards
         if not finite:
             raise TrainingError(
-                f"the weights became NaN/inf by step {self.state.step}; not overwriting the last good "
-                f"checkpoint {self.checkpoint_path}; lower the learning rate, set grad_clip, or use "
+                f"the weights became NaN/inf by step {state.step}; not overwriting the last good "
+                f"checkpoint {self.path}; lower the learning rate, set grad_clip, or use "
                 "bf16/fp32 instead of fp16"
             )
-        sharded = self.config.strategy == "fsdp"
-        if collective and not sharded and not self.is_main:
-            self.last_checkpoint_step = self.state.step  # DDP: rank 0 writes the replicated state
+        is_main = self.ranks.is_main
+        if collective and not self.sharded and not is_main:
+            self.last_step = state.step  # DDP: rank 0 writes the replicated state
             return
-        dcp_dir = self._save_sharded() if sharded else None
-        if not self.is_main and collective:
-            self.last_checkpoint_step = self.state.step
+        dcp_dir = self._save_sharded(state) if self.sharded else None
+        if not is_main and collective:
+            self.last_step = state.step
             return
-        state = self._checkpoint_state(sharded, dcp_dir, pending_evaluation)
-        save_checkpoint(state, self.checkpoint_path, keep_previous=True)
-        self.last_checkpoint_step = self.state.step
+        ckpt = self._checkpoint_state(state, dcp_dir, pending_evaluation)
+        save_checkpoint(ckpt, self.path, keep_previous=True)
+        self.last_step = state.step
         if dcp_dir is not None:
             # The kept previous checkpoint.pt points at its own folder: that one stays too.
             keep = {Path(dcp_dir).name} | ({Path(self._last_dcp).name} if self._last_dcp else set())
             remove_stale_sharded(self.out_dir / SHARDED_DIR, keep=keep)
             self._last_dcp = dcp_dir
 
-    def _checkpoint_state(self, sharded: bool, dcp_dir: str | None, pending_evaluation: bool) -> dict[str, Any]:
+    def _checkpoint_state(self, state: TrainState, dcp_dir: str | None, pending_evaluation: bool) -> dict[str, Any]:
         """Everything ``checkpoint.pt`` holds; the counters are the :class:`TrainState`'s."""
-        state = {
+        sharded, config = self.sharded, self.ladder.config
+        ckpt = {
             "format": CHECKPOINT_FORMAT,
-            **self.state.state_dict(),
-            "epoch_micro_batches": math.ceil(self.state.epoch_offset / self.config.micro_batch_size),
+            **state.state_dict(),
+            "epoch_micro_batches": math.ceil(state.epoch_offset / config.micro_batch_size),
             "n_train": self.n_train,
             # FSDP2: the tensors are in dcp_dir (resharded on load, at any world size).
             "model": None if sharded else self.model.state_dict(),
             "optimizer": None if sharded else self.optimizer.state_dict(),
             "dcp": dcp_dir,
-            "world_size": self.world_size,
+            "world_size": self.ranks.world_size,
             "pending_evaluation": pending_evaluation,
             "schedule": self.schedule.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scaler": self.precision.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None and not sharded else None,
             "rng": _rng_state(),
-            "config": self.config.to_dict(),
+            "config": config.to_dict(),
             "options": self.options.to_dict(),
             "task": {"name": self.task.name, "source_hash": self.task.source_hash},
             # OOM recovery: "config" above is the configuration running now (the one that worked).
-            "recovery": {"recoveries": list(self.recoveries),
-                         "ladder": [c.to_dict() for c in self.ladder],
-                         "tried": [c.to_dict() for c in self._tried]},
+            "recovery": self.ladder.state_dict(),
         }
-        state["best"]["path"] = str(self.best_path) if self.state.best_step is not None else None
-        return state
+        ckpt["best"]["path"] = str(self.best_path) if state.best_step is not None else None
+        return ckpt
 
-    def _save_sharded(self) -> str:
+    def _save_sharded(self, state: TrainState) -> str:
         """Every rank writes its shards into a fresh folder (a temporary name, renamed when all
         are done); ``checkpoint.pt``, written afterwards, points at it."""
-        token = [f"step-{self.state.step:08d}-{os.urandom(4).hex()}" if self.is_main else None]
+        is_main = self.ranks.is_main
+        token = [f"step-{state.step:08d}-{os.urandom(4).hex()}" if is_main else None]
         dist.broadcast_object_list(token, src=0)  # one name for all ranks
         name = str(token[0])
         root = self.out_dir / SHARDED_DIR
         tmp, final = root / f".{name}.tmp", root / name
-        if self.is_main:
+        if is_main:
             root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         save_sharded(self.model, self.optimizer, tmp, extra=self._sharded_extra())
         dist.barrier()  # every rank's shards are on disk
-        if self.is_main:
+        if is_main:
             os.replace(tmp, final)
         return f"{SHARDED_DIR}/{name}"
 
     def _sharded_extra(self) -> dict[str, Any]:
         return {"ema": self.ema.shadow} if self.ema is not None else {}
 
-    def _resume(self) -> int | None:
-        """Load ``checkpoint.pt`` if there is one; returns its step (None: fresh start)."""
-        if not self.checkpoint_path.exists() and not previous_path(self.checkpoint_path).exists():
-            log.warning("resume: no checkpoint at %s; starting from scratch", self.checkpoint_path)
+    def load(self, device: torch.device) -> dict[str, Any] | None:
+        """The latest readable checkpoint, checked to continue this run (None: there is none, a
+        fresh start). The caller switches to its configuration, then calls :meth:`restore`."""
+        if not self.path.exists() and not previous_path(self.path).exists():
+            log.warning("resume: no checkpoint at %s; starting from scratch", self.path)
             return None
-        ckpt, source, passed_over = load_latest_checkpoint(self.checkpoint_path, map_location=self.device)
+        ckpt, source, passed_over = load_latest_checkpoint(self.path, map_location=device)
         if passed_over is not None:
             log.warning("%s; resuming from %s (step %s)", passed_over, source, ckpt.get("step"))
         try:
-            return self._restore(ckpt)
+            self._check_resumable(ckpt, TrainConfig.from_dict(ckpt["config"]))
         except KeyError as exc:
-            raise DamagedCheckpointError(
-                f"{source} lacks {exc}: not a checkpoint of this memplan; train into another --out") from None
+            raise self._damaged(source, exc) from None
+        self._source = source
+        return ckpt
 
-    def _restore(self, ckpt: dict[str, Any]) -> int:
-        saved = TrainConfig.from_dict(ckpt["config"])
-        self._check_resumable(ckpt, saved)
-        self._restore_recovery(ckpt, saved)
-        self._restore_tensors(ckpt)
-        self._pending_evaluation = bool(ckpt.get("pending_evaluation")) and self.val_loader is not None
-        self.state.load_state_dict(ckpt)
-        self.last_checkpoint_step = self.state.step
-        # Last: building the model and loaders above drew from the RNGs.
-        _set_rng_state(ckpt["rng"])
-        return int(self.state.step)
+    def restore(self, ckpt: dict[str, Any], state: TrainState) -> int:
+        """Weights, optimizer, schedule, GradScaler, EMA, ``state``'s counters and the RNGs from
+        :meth:`load`'s checkpoint; returns its step."""
+        try:
+            self._restore_tensors(ckpt)
+            state.load_state_dict(ckpt)
+            rng = ckpt["rng"]
+        except KeyError as exc:
+            raise self._damaged(self._source, exc) from None
+        self.last_step = state.step
+        # Last: building the model and loaders drew from the RNGs.
+        _set_rng_state(rng)
+        return int(state.step)
+
+    @staticmethod
+    def _damaged(source: Path, exc: KeyError) -> DamagedCheckpointError:
+        return DamagedCheckpointError(
+            f"{source} lacks {exc}: not a checkpoint of this memplan; train into another --out")
 
     def _check_resumable(self, ckpt: Mapping[str, Any], saved: TrainConfig) -> None:
         """The checkpoint continues this run: same global batch, data order, seed and data."""
-        if saved.global_batch != self.config.global_batch:
+        config = self.ladder.config
+        if saved.global_batch != config.global_batch:
             raise ConfigError(
-                f"{self.checkpoint_path} was trained with a global batch of {saved.global_batch}, this "
-                f"config has {self.config.global_batch}; resume with the same micro_batch_size x "
+                f"{self.path} was trained with a global batch of {saved.global_batch}, this "
+                f"config has {config.global_batch}; resume with the same micro_batch_size x "
                 "grad_accum_steps product, or use another out_dir"
             )
-        if saved.length_grouped != self.config.length_grouped:
+        if saved.length_grouped != config.length_grouped:
             raise ConfigError(
-                f"{self.checkpoint_path} was trained with length_grouped={saved.length_grouped}; resume with "
+                f"{self.path} was trained with length_grouped={saved.length_grouped}; resume with "
                 "the same data order (length_grouped), or use another out_dir")
         if ckpt["options"]["seed"] != self.options.seed or ckpt["n_train"] != self.n_train:
             raise ConfigError(
-                f"{self.checkpoint_path} was written with seed {ckpt['options']['seed']} and "
+                f"{self.path} was written with seed {ckpt['options']['seed']} and "
                 f"{ckpt['n_train']} training items; resuming needs the same seed and data "
                 f"(got seed {self.options.seed}, {self.n_train} items)"
             )
         if bool(ckpt["options"].get("drop_last", False)) != self.options.drop_last:
             raise ConfigError(
-                f"{self.checkpoint_path} was written with drop_last={ckpt['options'].get('drop_last', False)}; "
+                f"{self.path} was written with drop_last={ckpt['options'].get('drop_last', False)}; "
                 "an epoch's length depends on it: resume with the same drop_last, or use another out_dir")
         if ckpt["task"]["source_hash"] != self.task.source_hash:
             log.warning("%s changed since the checkpoint was written", self.task.name)
         changed = _changed_options(ckpt["options"], self.options.to_dict())
-        if changed and self.is_main:
-            log.warning("resuming %s with options the run did not start with: %s", self.checkpoint_path, changed)
-
-    def _restore_recovery(self, ckpt: Mapping[str, Any], saved: TrainConfig) -> None:
-        """An OOM-recovered run continues on the configuration that worked."""
-        recovery = ckpt.get("recovery") or {}
-        if recovery.get("recoveries") and self._decided is None:
-            # The run stepped down after an OOM: continue on the configuration that worked, with
-            # the rungs that were still below it.
-            self.recoveries = list(recovery["recoveries"])
-            self._tried = [TrainConfig.from_dict(c) for c in recovery.get("tried", [])] or [saved]
-            if saved in self.ladder:
-                self.ladder = self.ladder[self.ladder.index(saved) + 1:]
-            else:
-                self.ladder = [TrainConfig.from_dict(c) for c in recovery.get("ladder", [])]
-            if saved != self.config:
-                log.warning("resuming on %s, the configuration an OOM recovery switched to", saved.describe())
-                self._switch_config(saved)
+        if changed and self.ranks.is_main:
+            log.warning("resuming %s with options the run did not start with: %s", self.path, changed)
 
     def _restore_tensors(self, ckpt: Mapping[str, Any]) -> None:
         """Weights, optimizer, schedule, GradScaler and EMA, whatever the strategy that wrote them."""
         if ckpt.get("dcp"):
             # Written by an FSDP2 run: DCP reshards the tensors to this run's layout -- another
             # world size, or one plain process. Only from the run's own folder, read as data.
-            folder = sharded_folder(self.out_dir, ckpt["dcp"], checkpoint=self.checkpoint_path)
+            folder = sharded_folder(self.out_dir, ckpt["dcp"], checkpoint=self.path)
             self._last_dcp = ckpt["dcp"]
             load_sharded(self.model, self.optimizer, folder, extra=self._sharded_extra())
-        elif self.config.strategy == "fsdp":
+        elif self.sharded:
             raise ConfigError(
-                f"{self.checkpoint_path} is a single-file checkpoint (a single-device or DDP run); an FSDP run "
+                f"{self.path} is a single-file checkpoint (a single-device or DDP run); an FSDP run "
                 "resumes from FSDP checkpoints only; resume it with strategy 'ddp' or 'single', or use another out_dir"
             )
         else:
             self.model.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
         self.schedule.load_state_dict(ckpt["schedule"])  # after the optimizer: it sets the lr
-        if self.scaler is not None and ckpt["scaler"] is not None:
-            self.scaler.load_state_dict(ckpt["scaler"])
+        self.precision.load_state_dict(ckpt["scaler"])
         if self.ema is not None and ckpt["ema"] is not None:
             self.ema.load_state_dict(ckpt["ema"])
 

@@ -7,8 +7,8 @@ the saved sample offset, even with another micro-batch size of the same global b
 recovery needs); ``drop_last`` ends each epoch at its last whole window. With ``W`` ranks the
 last ``n % W`` items are dropped and rank ``r`` trains positions ``r::W`` of each window.
 
-:class:`_Loaders` is the trainer's part that builds the datasets' loaders and reads the
-windows from them, one micro-batch at a time.
+:class:`TrainData` builds the datasets' loaders and reads the windows from them, one
+micro-batch at a time.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from estimators import ConfigError, ModelFileError, grouped_order, to_device
+from estimators import ConfigError, ModelFileError, grouped_order
 
 if TYPE_CHECKING:
     from estimators import Task, TrainConfig
 
     from ._options import TrainOptions
-    from ._state import TrainState
 
 __all__ = ["epoch_permutation", "epoch_items"]
 
@@ -162,25 +161,21 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class _Loaders:
-    """The trainer's datasets, loaders and windows (a part of :class:`~memplan.training.Trainer`:
-    it reads ``task``, ``config``, ``options``, ``device``, ``rank``, ``world_size`` and ``state``)."""
+class TrainData:
+    """The run's datasets, loaders and windows, for this rank.
 
-    # Set by the Trainer; annotations only (nothing at runtime), for the type checker.
-    task: Task
-    config: TrainConfig
-    options: TrainOptions
-    device: torch.device
-    rank: int
-    world_size: int
-    state: TrainState
+    Made first and outside the memory guard: the dataset is not part of the training step's
+    memory (on a GPU it is not even on the device), and dataset code may draw random numbers --
+    whether it already ran in this process (the estimator caches datasets) must not change the
+    model's initialisation.
+    """
 
-    def _setup_data(self) -> None:
-        """Datasets and loaders. Runs first and outside the memory guard: the dataset is not
-        part of the training step's memory (on a GPU it is not even on the device), and dataset
-        code may draw random numbers -- whether it already ran in this process (the estimator
-        caches datasets) must not change the model's initialisation."""
-        opts, task, config = self.options, self.task, self.config
+    def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *, device: torch.device,
+                 rank: int, world_size: int) -> None:
+        self.task, self.options, self.device = task, options, device
+        self.rank, self.world_size = rank, world_size
+        self.micro_batch_size = config.micro_batch_size
+        opts = options
         dataset = task.dataset()
         assert dataset is not None
         # (torch's Dataset declares no __len__; Task.dataset() checked that this one has it.)
@@ -215,6 +210,20 @@ class _Loaders:
         self._loader_generator = torch.Generator()
         self.train_loader = self._make_loader(dataset, batch_sampler=self.sampler)
         self.val_loader = self._make_val_loader()
+
+    @property
+    def n_epoch(self) -> int:
+        """Items an epoch trains on."""
+        return self.sampler.n_epoch
+
+    def set_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Cut the windows ahead (and validation batches) into micro-batches of another size
+        (an OOM recovery's rung; same global batch)."""
+        if micro_batch_size == self.micro_batch_size:
+            return
+        self.micro_batch_size = self.sampler.micro = micro_batch_size
+        if self.val_loader is not None:
+            self.val_loader = self._val_loader_for(self.val_loader.dataset)
 
     def _num_workers(self, dataset: Dataset) -> int:
         if self.options.num_workers is not None:
@@ -264,20 +273,19 @@ class _Loaders:
         sampler = None if self.world_size == 1 else list(range(self.rank, len(data), self.world_size))  # type: ignore[arg-type]
         return self._make_loader(
             data,
-            batch_size=self.config.micro_batch_size,
+            batch_size=self.micro_batch_size,
             shuffle=False,
             drop_last=False,
             sampler=sampler,
             generator=torch.Generator().manual_seed(self.options.seed),
         )
 
-    def _windows(self) -> Generator[tuple[_Window, Iterator[Batch]], None, None]:
-        """Windows from the current data position on, across epochs, without end.
+    def windows(self, epoch: int, start: int) -> Generator[tuple[_Window, Iterator[Batch]], None, None]:
+        """Windows from the data position ``(epoch, start)`` on, across epochs, without end.
 
         Each comes with an iterator over its collated micro-batches, read lazily from the
         DataLoader: only one micro-batch is held at a time, as the estimator assumes.
         """
-        epoch, start = self.state.epoch, self.state.epoch_offset
         while True:
             windows = self.sampler.set_position(epoch, start)
             self._loader_generator.manual_seed(_epoch_seed(self.options.seed, epoch) + self.rank)
@@ -287,13 +295,11 @@ class _Loaders:
             del loader_iter
             epoch, start = epoch + 1, 0
 
-    def _collate_window(self, window: _Window) -> Iterator[Batch]:
+    def collate_window(self, window: _Window) -> Iterator[Batch]:
         """The window's micro-batches straight from the dataset, one at a time: for replaying a
         window (``window.recut(new_micro)``) without the DataLoader; a plain run never does."""
         dataset = self.task.dataset()
-        assert dataset is not None  # loaded by _setup_data (and cached by the task)
+        assert dataset is not None  # loaded by __init__ (and cached by the task)
         for indices in window.micro_indices:
             yield self.task.collate([dataset[i] for i in indices])
 
-    def _to_device(self, batch: Batch) -> Batch:
-        return to_device(batch, self.device)  # as the step moves its batches (non-blocking on CUDA)

@@ -1,7 +1,7 @@
 """Evaluation: validation metrics, the best weights, early stopping's count, and the weights a
 run writes at its end (``model.pt``: the best with early stopping, else the final; EMA's if on).
 
-A part of :class:`~memplan.training.Trainer`. Evaluating with EMA on swaps the EMA weights into
+Evaluating with EMA on swaps the EMA weights into
 the model for the duration: a second copy of the evaluated weights, not in the estimate.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,16 +20,18 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
-from estimators import ConfigError, convert_input, default_logits_and_targets, default_loss, forward_context
+from estimators import ConfigError, default_logits_and_targets, default_loss, to_device
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from tqdm.auto import tqdm
+    from estimators import EMA, Task
 
-    from estimators import EMA, Task, TrainConfig
-
+    from ._distributed import RankAgreement
+    from ._memory import Phase
+    from ._metrics import Metrics
     from ._options import TrainOptions
+    from ._precision import TrainPrecision
     from ._schedules import LRSchedule
     from ._state import TrainState
 
@@ -38,37 +40,29 @@ __all__: list[str] = []
 Batch = Any
 
 
-class _Evaluation:
-    """Validation and the best weights (reads ``val_loader``, ``model``, ``ema``, ``state``)."""
+class Evaluator:
+    """Validation on ``val_loader`` (None: no validation data), the best weights (``best_path``),
+    early stopping's count (in the :class:`TrainState`), and the weights written at the end
+    (``model_path``).
 
-    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
-    task: Task
-    config: TrainConfig
-    options: TrainOptions
-    state: TrainState
-    device: torch.device
-    world_size: int
-    distributed: bool  # _RankAgreement's (read-only) property
-    is_main: bool  # _RankAgreement's (read-only) property
-    _comm_device: torch.device  # _RankAgreement's (read-only) property
-    best_path: Path
-    model_path: Path
-    model: nn.Module
-    forward_model: nn.Module
-    ema: EMA | None
-    schedule: LRSchedule
-    val_loader: DataLoader | None
-    _bar: tqdm[NoReturn]
-    _to_device: Callable[[Batch], Batch]
-    _set_phase: Callable[[str], None]
-    _evaluate_recovering: Callable[[], dict[str, float]]
-    _log: Callable[[dict[str, Any]], None]
+    ``forward_model`` and ``val_loader`` follow an OOM recovery's switch (more checkpointing,
+    another micro-batch size).
+    """
+
+    def __init__(self, task: Task, *, model: nn.Module, forward_model: nn.Module, ema: EMA | None,
+                 val_loader: DataLoader | None, precision: TrainPrecision, strategy: str, device: torch.device,
+                 options: TrainOptions, schedule: LRSchedule, ranks: RankAgreement, metrics: Metrics, phase: Phase,
+                 best_path: Path, model_path: Path) -> None:
+        self.task, self.model, self.forward_model, self.ema = task, model, forward_model, ema
+        self.val_loader, self.precision, self.strategy, self.device = val_loader, precision, strategy, device
+        self.options, self.schedule, self.ranks, self.metrics, self.phase = options, schedule, ranks, metrics, phase
+        self.best_path, self.model_path = best_path, model_path
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss (mean over samples) and, with the default loss and class targets,
         accuracy (per token for ``(B, T, V)`` outputs). Uses the EMA weights when on."""
-        self._set_phase("evaluation")
+        self.phase.set("evaluation")
         assert self.val_loader is not None
         default = self.task.loss_fn is default_loss
         total_loss, total_weight, correct, counted = 0.0, 0, 0, 0
@@ -76,17 +70,17 @@ class _Evaluation:
         # ranks with fewer validation batches would not join). FSDP2: the sharded module, whose
         # forward all-gathers, so every rank runs as many forward passes (see the padding below).
         # Compiled single-device runs evaluate the compiled module.
-        eval_model = self.model if self.distributed else self.forward_model
+        eval_model = self.model if self.ranks.distributed else self.forward_model
         self.model.eval()
         swap = self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
         try:
             with swap:
                 batches: Iterator[tuple[Batch, bool]] = ((b, True) for b in self.val_loader)
-                if self.config.strategy == "fsdp":
+                if self.strategy == "fsdp":
                     batches = self._padded_val_batches()
                 for batch, counts in batches:
-                    batch = convert_input(self._to_device(batch), self.config.precision)  # bf16-true: bf16 inputs
-                    with forward_context(self.config.precision, self.device.type):
+                    batch = self.precision.convert_input(to_device(batch, self.device))  # bf16-true: bf16 inputs
+                    with self.precision.forward_context():
                         if default:
                             logits, targets = default_logits_and_targets(eval_model, batch)
                             loss = F.cross_entropy(logits.float(), targets)
@@ -106,10 +100,10 @@ class _Evaluation:
                         total_weight += n
         finally:
             self.model.train()
-        if self.distributed:
+        if self.ranks.distributed:
             # Each rank evaluated its share (items r::W): the metrics are of the sums over ranks.
             sums = torch.tensor(
-                [total_loss, total_weight, correct, counted], dtype=torch.float64, device=self._comm_device
+                [total_loss, total_weight, correct, counted], dtype=torch.float64, device=self.ranks.comm_device
             )
             dist.all_reduce(sums)
             total_loss, total_weight, correct, counted = (
@@ -128,7 +122,7 @@ class _Evaluation:
         not counted) as it takes to match the rank with the most batches."""
         assert self.val_loader is not None
         n_val = len(self.val_loader.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
-        most = math.ceil(math.ceil(n_val / self.world_size) / self.config.micro_batch_size)
+        most = math.ceil(math.ceil(n_val / self.ranks.world_size) / (self.val_loader.batch_size or 1))
         first, seen = None, 0
         for batch in self.val_loader:
             if first is None:
@@ -140,9 +134,10 @@ class _Evaluation:
         for _ in range(most - seen):
             yield first, False
 
-    def _evaluate_and_track(self) -> None:
-        metrics = self._evaluate_recovering()
-        self.state.last_metrics, self.state.last_eval_step = metrics, self.state.step
+    def track(self, state: TrainState, metrics: dict[str, float]) -> None:
+        """Count an evaluation's ``metrics`` in ``state``: the best weights (written to
+        ``best_path``), early stopping, the plateau schedule; log it."""
+        state.last_metrics, state.last_eval_step = metrics, state.step
         if self.options.monitor not in metrics:
             raise ConfigError(
                 f"monitor {self.options.monitor!r} is not a validation metric of {self.task.name}; "
@@ -150,60 +145,54 @@ class _Evaluation:
             )
         value = metrics[self.options.monitor]
         improved = math.isfinite(value) and (
-            self.state.best_metric is None
-            or (value < self.state.best_metric if self.options.mode == "min" else value > self.state.best_metric)
+            state.best_metric is None
+            or (value < state.best_metric if self.options.mode == "min" else value > state.best_metric)
         )
         # Early stopping's own yardstick: only a gain of more than min_delta over the value of
         # the last such gain resets the patience (the best weights follow every gain).
         delta = self.options.early_stopping_min_delta
         significant = math.isfinite(value) and (
-            self.state.stop_reference is None
+            state.stop_reference is None
             or (
-                value < self.state.stop_reference - delta
+                value < state.stop_reference - delta
                 if self.options.mode == "min"
-                else value > self.state.stop_reference + delta
+                else value > state.stop_reference + delta
             )
         )
         if significant:
-            self.state.stop_reference, self.state.bad_evaluations = value, 0
+            state.stop_reference, state.bad_evaluations = value, 0
         else:
-            self.state.bad_evaluations += 1
+            state.bad_evaluations += 1
         if improved:
-            self.state.best_metric, self.state.best_step, self.state.best_metrics = (
+            state.best_metric, state.best_step, state.best_metrics = (
                 value,
-                self.state.step,
+                state.step,
                 dict(metrics),
             )
             # Best weights go to disk, not to RAM: no second copy of the model stays alive.
             best = self._eval_state_dict()
-            if self.is_main:
+            if self.ranks.is_main:
                 save_checkpoint(best, self.best_path)
             del best
         self.schedule.observe(value)
         patience = self.options.early_stopping_patience
-        if patience is not None and self.state.bad_evaluations >= patience:
-            self.state.stopped_early = True
-        self._log(
+        if patience is not None and state.bad_evaluations >= patience:
+            state.stopped_early = True
+        self.metrics.log(
             {
                 "type": "eval",
-                "step": self.state.step,
-                "epoch": self.state.epoch,
+                "step": state.step,
+                "epoch": state.epoch,
                 **metrics,
-                "best": self.state.best_metric,
+                "best": state.best_metric,
                 "improved": improved,
             }
         )
-        if not self._bar.disable:
-            self._bar.write(
-                f"step {self.state.step}: "
-                + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-                + (" (best)" if improved else "")
-            )
-
-    def _finish_evaluation(self) -> None:
-        """The run's last evaluation, unless the last window was just evaluated."""
-        if self.val_loader is not None and self.state.last_eval_step != self.state.step:
-            self._evaluate_and_track()
+        self.metrics.say(
+            f"step {state.step}: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            + (" (best)" if improved else "")
+        )
 
     def _eval_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights that are evaluated and written: the EMA's when on, else the model's. Full
@@ -215,27 +204,28 @@ class _Evaluation:
 
     def _load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Full (unsharded) weights into the model, whatever its strategy."""
-        if self.config.strategy == "fsdp":
+        if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))
         else:
             self.model.load_state_dict(state)
 
-    def _write_result_weights(self) -> None:
+    def write_result_weights(self, train_state: TrainState) -> None:
         """``model.pt``: the best weights with early stopping, else the final ones (EMA if on).
-        ``self.model`` is left holding them."""
+        ``self.model`` is left holding them; with the best ones, ``train_state``'s last metrics
+        become theirs."""
         if (
             self.options.early_stopping_patience is not None
-            and self.state.best_step is not None
+            and train_state.best_step is not None
             and self.best_path.exists()
         ):
             state = load_checkpoint(self.best_path, map_location=self.device)
-            self.state.last_metrics = dict(self.state.best_metrics)
+            train_state.last_metrics = dict(train_state.best_metrics)
         else:
             state = self._eval_state_dict()
         self._load_full_state(state)
-        if self.is_main:
+        if self.ranks.is_main:
             save_checkpoint(state, self.model_path)
 
 

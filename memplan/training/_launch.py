@@ -18,7 +18,7 @@ configuration, peak) -- under DDP, whose state is replicated and still that of t
 start, also a checkpoint -- and exits; its exit closes its gloo connections, so the others'
 pending collectives fail at once and they exit too, writing nothing. This process then reads
 the records, takes the next configuration of the ladder (same global batch, same strategy and
-world size, the rule of the single-process ``Trainer._step_down``), logs the switch and
+world size, the rule of the single-process ``InProcessRecovery``), logs the switch and
 launches every rank again, resuming from the checkpoint: all ranks agree because they all read
 the one decision, and they replay the failed step together. FSDP2 ranks cannot write a
 window-start checkpoint alone (each holds only its shards), so an FSDP run resumes from its last
@@ -255,7 +255,7 @@ def _step_down(
     out_dir: Path,
 ) -> tuple[TrainConfig, dict[str, Any]]:
     """The ranks' OOM records -> the rung every rank relaunches on and the recovery event (the
-    rule of the single-process ``Trainer._step_down``); a ``TrainingError`` when none is left."""
+    rule of the single-process ``InProcessRecovery``); a ``TrainingError`` when none is left."""
     first = records[0]
     old = TrainConfig.from_dict(first.config)
     peak = max((r.peak_at_failure for r in records if r.peak_at_failure is not None), default=None)

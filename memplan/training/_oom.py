@@ -10,7 +10,6 @@ When the ladder ends, ``TrainingError`` says what failed and where the last good
 Without a ladder an OOM propagates. A rank of a distributed run does not recover in-process:
 it writes an :class:`OOMRecord` and leaves (:mod:`memplan.training._launch` relaunches all).
 
-A part of :class:`~memplan.training.Trainer`.
 """
 
 from __future__ import annotations
@@ -18,23 +17,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
 
-from estimators import ConfigError, TrainConfig, TrainingError, checkpoint_more, format_size, is_oom_error
+from estimators import TrainConfig, TrainingError, format_size, is_oom_error
 
-from ._data import _EpochBatches, _seed_torch, _Window, _window_seed
+from ._data import _seed_torch, _Window, _window_seed
 from ._recovery import (
     DistributedOOM,
     OOMRecord,
     RecoveryEvent,
     free_memory,
-    pick_rung,
     restore_buffers,
     restore_optimizer,
     snapshot_buffers,
@@ -42,13 +38,15 @@ from ._recovery import (
 from ._window import _WindowOutcome
 
 if TYPE_CHECKING:
-    from tqdm.auto import tqdm
-
-    from estimators import BuiltModel, Task
-
-    from ._options import TrainOptions
-    from ._recovery import _Snapshot
+    from ._checkpoints import CheckpointManager
+    from ._data import TrainData
+    from ._distributed import RankAgreement
+    from ._memory import PeakMemory, Phase
+    from ._metrics import Metrics
+    from ._precision import TrainPrecision
+    from ._recovery import Ladder
     from ._state import TrainState
+    from ._window import WindowStep
 
 __all__: list[str] = []
 
@@ -57,76 +55,35 @@ log = logging.getLogger("memplan.trainer")
 Batch = Any
 
 
-class _SaveCheckpoint(Protocol):
-    """The signature of ``_Checkpoints._save_checkpoint`` (keyword-only arguments, which
-    ``Callable`` cannot say)."""
+class InProcessRecovery:
+    """Runs a window (:meth:`run_window`) or an evaluation (:meth:`evaluate`) and, after an OOM,
+    steps down the ``ladder`` -- ``switch_config`` applies the rung to the running parts -- and
+    tries again; a distributed rank records the OOM and leaves instead.
 
-    def __call__(self, *, collective: bool = True, pending_evaluation: bool = False) -> None: ...
+    It reads the optimizer's undo copy off ``window_step``, the window's micro-batches off
+    ``data``, the peak off ``peak``; it writes the last checkpoint through ``checkpoints``
+    and its records to ``metrics``.
+    """
 
+    def __init__(self, ladder: Ladder, *, window_step: WindowStep, data: TrainData, checkpoints: CheckpointManager,
+                 switch_config: Callable[[TrainConfig], None], model: nn.Module, optimizer: torch.optim.Optimizer,
+                 precision: TrainPrecision, device: torch.device, seed: int, ranks: RankAgreement,
+                 peak: PeakMemory, phase: Phase, metrics: Metrics, out_dir: Path) -> None:
+        self.ladder, self.window_step, self.data, self.checkpoints = ladder, window_step, data, checkpoints
+        self.switch_config, self.model, self.optimizer, self.precision = switch_config, model, optimizer, precision
+        self.device, self.seed, self.ranks, self.peak, self.phase = device, seed, ranks, peak, phase
+        self.metrics, self.out_dir = metrics, out_dir
 
-class _InProcessRecovery:
-    """OOM recovery (reads ``ladder``, ``memory_guard``, ``recoveries``; calls the step)."""
-
-    # Set by the Trainer and its other parts; annotations only (nothing at runtime), for the type checker.
-    task: Task
-    config: TrainConfig
-    options: TrainOptions
-    state: TrainState
-    device: torch.device
-    rank: int
-    distributed: bool  # _RankAgreement's (read-only) property
-    is_main: bool  # _RankAgreement's (read-only) property
-    memory_guard: AbstractContextManager[Any] | None
-    out_dir: Path
-    checkpoint_path: Path
-    last_checkpoint_step: int | None
-    model: nn.Module
-    forward_model: nn.Module
-    _built: BuiltModel
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    sampler: _EpochBatches
-    val_loader: DataLoader | None
-    ladder: list[TrainConfig]
-    _ladder_peaks: dict[TrainConfig, int]
-    _tried: list[TrainConfig]
-    recoveries: list[dict[str, Any]]
-    _recovering: bool
-    _decided: dict[str, Any] | None
-    _phase: str
-    _optimizer_undo: _Snapshot | None
-    _peak_floor: int | None
-    _bar: tqdm[NoReturn]
-    _run_window: Callable[[_Window, Iterator[Batch], TrainConfig], _WindowOutcome]
-    _collate_window: Callable[[_Window], Iterator[Batch]]
-    _val_loader_for: Callable[[Dataset], DataLoader]
-    _make_scaler: Callable[[str], torch.amp.GradScaler | None]
-    evaluate: Callable[[], dict[str, float]]
-    _window_peak: Callable[[], int | None]
-    _peak_memory: Callable[[], int | None]
-    _log: Callable[[dict[str, Any]], None]
-    _save_checkpoint: _SaveCheckpoint
-
-    def _set_phase(self, phase: str) -> None:
-        """Name the part of the step that runs (for the recovery log and the guard's injector)."""
-        self._phase = phase
-        guard = self.memory_guard
-        if guard is None:
-            return
-        for attr in ("phase", "phase_label"):  # MemoryGuard, OOMInjector
-            if hasattr(type(guard), attr):
-                setattr(guard, attr, phase)
-                return
-
-    def _run_window_recovering(self, window: _Window, batches: Iterator[Batch]) -> _WindowOutcome:
-        """:meth:`_run_window`, stepping down the ladder and replaying the window from its start
-        after an out-of-memory error (any phase), until it fits or the ladder ends."""
-        if self.distributed:
+    def run_window(self, window: _Window, batches: Iterator[Batch], state: TrainState) -> _WindowOutcome:
+        """The window's step (:meth:`WindowStep.run`), stepping down the ladder and replaying the
+        window from its start after an out-of-memory error (any phase), until it fits or the
+        ladder ends."""
+        if self.ranks.distributed:
             # Every rank draws its own dropout masks, and a relaunched replay draws the same ones.
-            _seed_torch(_window_seed(self.options.seed, self.state.step, self.rank))
-        if not self._recovering:
-            self._reset_window_peak()  # so that the largest batch's step has its own peak
-            return self._run_window(window, batches, self.config)
+            _seed_torch(_window_seed(self.seed, state.step, self.ranks.rank))
+        if not self.ladder.enabled:
+            self.peak.reset_window()  # so that the largest batch's step has its own peak
+            return self.window_step.run(window, batches, self.ladder.config, step=state.step + 1)
         # Undo state for a replay: the buffers that forward updates (BatchNorm's statistics and
         # its integer num_batches_tracked: all of them, in host memory, outside the traced step)
         # and the RNG that dropout draws from, so that a replay sees what the first try saw and
@@ -136,22 +93,22 @@ class _InProcessRecovery:
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         while True:
             message = None
-            self._reset_window_peak()
+            self.peak.reset_window()
             try:
-                return self._run_window(window, batches, self.config)
+                return self.window_step.run(window, batches, self.ladder.config, step=state.step + 1)
             except Exception as exc:
-                if not self._recovering or not is_oom_error(exc):
+                if not is_oom_error(exc):
                     raise
                 message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             # Outside the except block: the traceback and its frames (and their tensors) are gone.
             t0 = time.perf_counter()
             batches = iter(())  # drop the half-read micro-batches
-            phase, peak = self._phase, self._window_peak()
-            self._set_phase("recovery")
-            undo, self._optimizer_undo = self._optimizer_undo, None
+            phase, peak = self.phase.name, self.peak.window()
+            self.phase.set("recovery")
+            undo, self.window_step.optimizer_undo = self.window_step.optimizer_undo, None
             self.optimizer.zero_grad(set_to_none=True)
             if undo is not None:  # the optimizer step may have been half applied
-                restore_optimizer(self.model, self.optimizer, self.scaler, undo)
+                restore_optimizer(self.model, self.optimizer, self.precision.scaler, undo)
             intact = undo is not None or phase != "optimizer"  # else the step may be half applied
             del undo
             if saved_buffers is not None:
@@ -160,54 +117,42 @@ class _InProcessRecovery:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
             free_memory(self.device, optimizer=self.optimizer)  # gc.collect(), torch.cuda.empty_cache()
-            if self.distributed:
-                self._fail_distributed(step=self.state.step + 1, phase=phase, peak=peak, message=message, intact=intact)
-            self._step_down(step=self.state.step + 1, phase=phase, peak=peak, message=message, t0=t0)
-            window = window.recut(self.config.micro_batch_size)
-            batches = self._collate_window(window)
+            if self.ranks.distributed:
+                self._fail_distributed(state, step=state.step + 1, phase=phase, peak=peak, message=message,
+                                       intact=intact)
+            self._step_down(state, step=state.step + 1, phase=phase, peak=peak, message=message, t0=t0)
+            window = window.recut(self.ladder.config.micro_batch_size)
+            batches = self.data.collate_window(window)
 
-    def _evaluate_recovering(self) -> dict[str, float]:
+    def evaluate(self, evaluate: Callable[[], dict[str, float]], state: TrainState) -> dict[str, float]:
+        """``evaluate()``, stepping down the ladder after an out-of-memory error until it fits."""
         while True:
             message = None
-            self._reset_window_peak()
+            self.peak.reset_window()
             try:
-                return self.evaluate()
+                return evaluate()
             except Exception as exc:
-                if not self._recovering or not is_oom_error(exc):
+                if not self.ladder.enabled or not is_oom_error(exc):
                     raise
                 message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             t0 = time.perf_counter()
-            peak = self._window_peak()
-            self._set_phase("recovery")
+            peak = self.peak.window()
+            self.phase.set("recovery")
             free_memory(self.device, optimizer=self.optimizer)
-            if self.distributed:
+            if self.ranks.distributed:
                 # The window is done and counted: the state is consistent; evaluate again on resume.
-                self._fail_distributed(step=self.state.step, phase="evaluation", peak=peak, message=message, intact=True)
-            self._step_down(step=self.state.step, phase="evaluation", peak=peak, message=message, t0=t0)
+                self._fail_distributed(state, step=state.step, phase="evaluation", peak=peak, message=message,
+                                       intact=True)
+            self._step_down(state, step=state.step, phase="evaluation", peak=peak, message=message, t0=t0)
 
-    def _reset_window_peak(self) -> None:
-        """Start the peak anew for this attempt (so that an OOM reports the peak of the step that
-        failed); the run's peak so far is kept in ``_peak_floor`` for the summary."""
-        peak = self._peak_memory()
-        if peak is not None:
-            self._peak_floor = max(self._peak_floor or 0, peak)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.memory_guard is not None and hasattr(self.memory_guard, "reset_peak"):
-            self.memory_guard.reset_peak()
-
-    def _budget(self) -> int | None:
-        budget = getattr(self.memory_guard, "budget_bytes", None)
-        return int(budget) if budget is not None else None
-
-    def _step_down(self, *, step: int, phase: str, peak: int | None, message: str | None, t0: float) -> None:
+    def _step_down(self, state: TrainState, *, step: int, phase: str, peak: int | None, message: str | None,
+                   t0: float) -> None:
         """Switch to the next rung of the ladder, or stop with a TrainingError when none is left."""
-        old = self.config
-        if not self.ladder:
-            raise self._exhausted(step, phase, peak, message)
-        new, skipped = pick_rung(self.ladder, self._ladder_peaks, self._budget())
-        self._switch_config(new)
-        self._tried.append(new)
+        old = self.ladder.config
+        if not self.ladder.rungs:
+            raise self._exhausted(state, step, phase, peak, message)
+        new, skipped = self.ladder.step_down(self.peak.budget())
+        self.switch_config(new)
         event = RecoveryEvent(
             step=step,
             phase=phase,
@@ -219,63 +164,37 @@ class _InProcessRecovery:
             skipped=[c.to_dict() for c in skipped],
         )
         record = event.to_dict()
-        self.recoveries.append(record)
-        self._log({"type": "oom_recovery", **record})
+        self.ladder.recoveries.append(record)
+        self.metrics.log({"type": "oom_recovery", **record})
         text = (
             f"out of memory at step {step} in {phase} with {old.describe()}"
             + (f" (peak {format_size(peak)})" if peak else "")
             + f"; replaying with {new.describe()}"
         )
         log.warning("%s", text)
-        bar = getattr(self, "_bar", None)
-        if bar is not None and not bar.disable:
-            bar.write(text)
-            bar.set_postfix(
-                {"oom_recoveries": len(self.recoveries), "micro": new.micro_batch_size, "accum": new.grad_accum_steps},
-                refresh=False,
-            )
+        self.metrics.say(text, postfix={"oom_recoveries": len(self.ladder.recoveries), "micro": new.micro_batch_size,
+                                        "accum": new.grad_accum_steps})
 
-    def _switch_config(self, new: TrainConfig) -> None:
-        """Apply ``new`` (same global batch) to the running model, scaler and loaders."""
-        old = self.config
-        if new.global_batch != old.global_batch:
-            raise ConfigError(f"cannot switch from global batch {old.global_batch} to {new.global_batch}")
-        if new.checkpoint_segments > old.checkpoint_segments or (
-            new.checkpoint_policy == "full" and old.checkpoint_policy != "full"
-        ):
-            # Idempotent per block: blocks checkpointed already stay so (only ever stepping down);
-            # a compiled forward is compiled again from the same wrapper as at setup.
-            self.forward_model = checkpoint_more(
-                self._built, self.task, new.checkpoint_segments, policy=new.checkpoint_policy
-            ).forward_model
-        if new.precision != old.precision:
-            # fp16 needs a GradScaler (a fresh one calibrates its scale in a few steps); bf16 and
-            # fp32 need none. Keep an existing one when both use it.
-            self.scaler = self._make_scaler(new.precision)
-        self.config = new
-        self.sampler.micro = new.micro_batch_size
-        if self.val_loader is not None and new.micro_batch_size != old.micro_batch_size:
-            self.val_loader = self._val_loader_for(self.val_loader.dataset)
-
-    def _exhausted(self, step: int, phase: str, peak: int | None, message: str | None) -> TrainingError:
+    def _exhausted(self, state: TrainState, step: int, phase: str, peak: int | None,
+                   message: str | None) -> TrainingError:
         """The error that ends the run when the ladder is used up; writes a checkpoint of the
         consistent state (nothing of the failed window is applied) only when none exists yet."""
-        c = self.config
-        if not self.checkpoint_path.exists():
+        c, path = self.ladder.config, self.checkpoints.path
+        if not path.exists():
             try:
-                self._save_checkpoint()
+                self.checkpoints.save(state)
             except Exception as exc:  # noqa: BLE001 - the OOM is the error to report
                 log.warning("could not write a checkpoint after the OOM: %s", exc)
         where = (
-            f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
-            if self.checkpoint_path.exists()
+            f"the last good checkpoint is {path} (step {self.checkpoints.last_step})"
+            if path.exists()
             else "no checkpoint could be written"
         )
-        budget = self._budget()
+        budget = self.peak.budget()
         measured = f"measured peak at failure {format_size(peak)}" if peak is not None else "peak at failure unknown"
         if budget is not None:
             measured += f" of budget {format_size(budget)}"
-        tried = "; ".join(t.describe() for t in self._tried)
+        tried = "; ".join(t.describe() for t in self.ladder.tried)
         return TrainingError(
             f"ran out of memory at step {step} in {phase} with micro-batch {c.micro_batch_size}, "
             f"{c.grad_accum_steps} accumulation steps, {c.precision}, {c.checkpoint_segments} checkpoint segments"
@@ -284,61 +203,63 @@ class _InProcessRecovery:
         )
 
     def _fail_distributed(
-        self, *, step: int, phase: str, peak: int | None, message: str | None, intact: bool
+        self, state: TrainState, *, step: int, phase: str, peak: int | None, message: str | None, intact: bool
     ) -> NoReturn:
         """An OOM on this rank of a distributed run: record it for the launcher, write a checkpoint
         of the window's start when this rank alone can (DDP, nothing of the window applied), and
         leave. Exiting closes this rank's connections, so the other ranks' collectives fail at
         once and they exit too -- without writing anything from the middle of a window."""
+        config, rank = self.ladder.config, self.ranks.rank
         written = False
-        if intact and self.config.strategy == "ddp":
+        if intact and config.strategy == "ddp":
             try:
-                self._save_checkpoint(collective=False, pending_evaluation=phase == "evaluation")
+                self.checkpoints.save(state, collective=False, pending_evaluation=phase == "evaluation")
                 written = True
             except Exception as exc:  # noqa: BLE001 - the OOM is what gets reported
-                log.warning("rank %d could not write a checkpoint after the OOM: %s", self.rank, exc)
+                log.warning("rank %d could not write a checkpoint after the OOM: %s", rank, exc)
+        last = self.checkpoints.last_step
         record = OOMRecord(
-            rank=self.rank,
+            rank=rank,
             step=step,
             phase=phase,
-            config=self.config.to_dict(),
+            config=config.to_dict(),
             peak_at_failure=peak,
-            budget=self._budget(),
+            budget=self.peak.budget(),
             error=message or "",
             time=time.time(),
-            resume_step=self.state.step if written else self.last_checkpoint_step,
+            resume_step=state.step if written else last,
             window_start_checkpoint=written,
         )
         record.write(self.out_dir)
         raise DistributedOOM(
-            f"rank {self.rank} ran out of memory at step {step} in {phase} with {self.config.describe()}; "
+            f"rank {rank} ran out of memory at step {step} in {phase} with {config.describe()}; "
             + (
                 "a checkpoint of the window's start was written"
                 if written
-                else f"resuming from the last checkpoint (step {self.last_checkpoint_step})"
+                else f"resuming from the last checkpoint (step {last})"
             )
         )
 
-    def _log_decided_recovery(self) -> None:
+    def log_decided(self, state: TrainState) -> None:
         """A relaunch after an OOM: take over the launcher's record of the switch and log it."""
-        if self._decided is None:
+        decided = self.ladder.decided
+        if decided is None:
             return
-        self.recoveries = [dict(r) for r in self._decided.get("recoveries", [])]
-        self._tried = [TrainConfig.from_dict(dict(c)) for c in self._decided.get("tried", [])] or [self.config]
-        if not self.recoveries:
+        self.ladder.recoveries = [dict(r) for r in decided.get("recoveries", [])]
+        self.ladder.tried = [TrainConfig.from_dict(dict(c)) for c in decided.get("tried", [])] or [self.ladder.config]
+        if not self.ladder.recoveries:
             return
-        event = self.recoveries[-1]
-        failed_at = self._decided.get("failed_at")
+        event = self.ladder.recoveries[-1]
+        failed_at = decided.get("failed_at")
         if failed_at is not None:  # from the OOM to the replay, the relaunch included
             event["seconds"] = time.time() - float(failed_at)
-        self._log({"type": "oom_recovery", **event})
-        if self.is_main:
+        self.metrics.log({"type": "oom_recovery", **event})
+        if self.ranks.is_main:
             old, new = TrainConfig.from_dict(event["from"]), TrainConfig.from_dict(event["to"])
             text = (
                 f"out of memory at step {event['step']} in {event['phase']} with {old.describe()}"
                 + (f" (peak {format_size(event['peak_at_failure'])})" if event.get("peak_at_failure") else "")
-                + f"; all ranks replay from step {self.state.step + 1} with {new.describe()}"
+                + f"; all ranks replay from step {state.step + 1} with {new.describe()}"
             )
             log.warning("%s", text)
-            if not self._bar.disable:
-                self._bar.write(text)
+            self.metrics.say(text)

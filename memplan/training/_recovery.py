@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from estimators import ConfigError, TrainConfig, TrainingError, is_oom_error
 
 __all__ = ["keep_global_batch", "GlobalBatchStep", "next_micro_batch", "free_memory", "is_oom_error", "RecoveryEvent", "OOMRecord",
-           "DistributedOOM", "ladder_configs", "ladder_peaks", "pick_rung"]
+           "DistributedOOM", "ladder_configs", "ladder_peaks", "pick_rung", "Ladder"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -111,6 +111,54 @@ def pick_rung(rungs: list[TrainConfig], peaks: dict[TrainConfig, int],
     chosen, skipped = rungs[index], rungs[:index]
     del rungs[: index + 1]
     return chosen, skipped
+
+
+
+class Ladder:
+    """The configuration running now (``config``), the rungs still below it (``rungs``, in
+    order), the configurations tried and the OOM recoveries made (``recoveries``, their
+    records): what OOM recovery steps along and what a checkpoint keeps of it.
+
+    ``enabled``: a ladder was given (without one an OOM propagates). ``decided``: a relaunch's
+    hand-over from the launcher (``{"recoveries": [...], "tried": [...], "failed_at": ...}``),
+    which wins over the checkpoint's record.
+    """
+
+    def __init__(self, config: TrainConfig, ladder: Sequence[Any] | None,
+                 decided: Mapping[str, Any] | None = None) -> None:
+        self.config = config
+        self.rungs = ladder_configs(ladder, config)
+        self.peaks = ladder_peaks(ladder)
+        self.enabled = ladder is not None
+        self.tried: list[TrainConfig] = [config]
+        self.recoveries: list[dict[str, Any]] = []
+        self.decided = dict(decided) if decided is not None else None
+
+    def step_down(self, capacity: int | None) -> tuple[TrainConfig, list[TrainConfig]]:
+        """The next rung (see :func:`pick_rung`), tried from now on, and the rungs passed over.
+        (The trainer applies it to the running parts, and makes it ``config``.)"""
+        new, skipped = pick_rung(self.rungs, self.peaks, capacity)
+        self.tried.append(new)
+        return new, skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``recovery`` entry (its ``config`` is the running one, saved apart)."""
+        return {"recoveries": list(self.recoveries), "ladder": [c.to_dict() for c in self.rungs],
+                "tried": [c.to_dict() for c in self.tried]}
+
+    def resume(self, recovery: Mapping[str, Any], saved: TrainConfig) -> TrainConfig:
+        """Take over a checkpoint's record (``recovery``, written running ``saved``); returns the
+        configuration to continue on: the one an OOM recovery switched to, with the rungs that
+        were still below it (the running one when the run never stepped down)."""
+        if not recovery.get("recoveries") or self.decided is not None:
+            return self.config
+        self.recoveries = list(recovery["recoveries"])
+        self.tried = [TrainConfig.from_dict(c) for c in recovery.get("tried", [])] or [saved]
+        if saved in self.rungs:
+            self.rungs = self.rungs[self.rungs.index(saved) + 1:]
+        else:
+            self.rungs = [TrainConfig.from_dict(c) for c in recovery.get("ladder", [])]
+        return saved
 
 
 @dataclass

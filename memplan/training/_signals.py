@@ -1,5 +1,5 @@
 """SIGINT/SIGTERM: stop at the next window boundary with a checkpoint; a second Ctrl-C stops at
-once. A part of :class:`~memplan.training.Trainer`.
+once.
 """
 
 from __future__ import annotations
@@ -13,23 +13,25 @@ from typing import Any
 __all__: list[str] = []
 
 
-class _Signals:
-    """Sets ``_stop_signal`` (the signal's name) when one arrives; the loop reads it."""
+class StopSignals:
+    """``received`` is the name of the signal that asked the run to stop (None: none yet); the
+    loop reads it at each window boundary."""
 
-    _stop_signal: str | None = None
+    def __init__(self) -> None:
+        self.received: str | None = None
 
     @contextlib.contextmanager
-    def _stop_on_signals(self) -> Iterator[None]:
-        """SIGINT/SIGTERM set a flag; the loop checkpoints at the next window boundary and
+    def caught(self) -> Iterator[None]:
+        """SIGINT/SIGTERM set ``received``; the loop checkpoints at the next window boundary and
         returns. A second SIGINT stops at once (KeyboardInterrupt), as people expect of Ctrl-C."""
         if threading.current_thread() is not threading.main_thread():
             yield  # signal handlers can only be installed from the main thread
             return
 
         def handler(signum: int, frame: Any) -> None:
-            if self._stop_signal is not None and signum == signal.SIGINT:
+            if self.received is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self._stop_signal = signal.Signals(signum).name
+            self.received = signal.Signals(signum).name
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -1,11 +1,12 @@
 """The built-in trainer: runs one ``TrainConfig`` on one device -- or as one rank of a DDP/FSDP2
 run (:mod:`memplan.training._launch` starts the ranks) -- exactly as the estimator predicted it.
 
-Read :meth:`Trainer.run` top to bottom: set up (model, optimizer, schedule, data), resume if
-asked, then loop over *optimizer-step windows* -- ``grad_accum_steps`` micro-batches and one
-optimizer step (:mod:`~memplan.training._window`) -- evaluating and checkpointing at window
-boundaries, and finish by writing the weights and a summary. The other parts of the trainer
-each live in their module (see :mod:`memplan.training`); this one holds the loop.
+Read :meth:`Trainer.run` top to bottom: set up (data, model, optimizer, schedule and the
+parts), resume if asked, then :meth:`Trainer._train_loop` over *optimizer-step windows* --
+``grad_accum_steps`` micro-batches and one optimizer step (:mod:`~memplan.training._window`) --
+evaluating and checkpointing at window boundaries, and finish by writing the weights and a
+summary. The parts are objects, each in its module (see :mod:`memplan.training`), each given
+what it uses; the progress they share is the :class:`TrainState`, passed to them.
 
 Example:
     >>> from estimators import TrainConfig, load_task        # doctest: +SKIP
@@ -37,34 +38,36 @@ from estimators import (
     TrainConfig,
     TrainingError,
     build_for_training,
+    checkpoint_more,
     default_loss,
     make_optimizer,
     training_loss,
 )
 
 from ._checkpoint_io import out_of_space
-from ._checkpoints import _Checkpoints
-from ._data import _Loaders, _seed_everything, _Window
-from ._distributed import _RankAgreement
-from ._evaluation import _Evaluation
-from ._metrics import _Metrics, _write_json_atomic
+from ._checkpoints import CheckpointManager
+from ._data import TrainData, _seed_everything, _Window
+from ._distributed import RankAgreement
+from ._evaluation import Evaluator
+from ._memory import PeakMemory, Phase
+from ._metrics import Metrics, _write_json_atomic, run_summary
 from ._monitor import TrainingMonitor
-from ._oom import _InProcessRecovery
+from ._oom import InProcessRecovery
 from ._options import TrainOptions
 from ._out_dir import check_out_dir, claim_out_dir
-from ._recovery import _Snapshot, ladder_configs, ladder_peaks
+from ._precision import TrainPrecision
+from ._recovery import Ladder
 from ._schedules import ExternalSchedule, LRSchedule, make_schedule
-from ._signals import _Signals
+from ._signals import StopSignals
 from ._state import TrainResult, TrainState
-from ._window import _Step, _WindowOutcome
+from ._window import WindowStep, _WindowOutcome
 
 __all__ = ["Trainer", "train"]
 
 log = logging.getLogger("memplan.trainer")
 
 
-class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _Metrics, _Signals,
-              _RankAgreement):
+class Trainer:
     """Trainer for one :class:`TrainConfig`: one device, or one rank of a DDP/FSDP2 run.
 
     After :meth:`run`, ``self.model`` holds the written weights (best or final, EMA if on).
@@ -82,9 +85,10 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
     ``recovery_state`` is how it hands its decision over (``{"recoveries": [...], "tried":
     [...]}``): the run keeps ``config`` instead of switching back to the checkpoint's.
 
-    The class holds the loop; its bases are its parts, one module each (data, the step, OOM
-    recovery, evaluation, checkpoints, metrics, signals, rank agreement), sharing its
-    attributes; the progress counters are ``self.state`` (:class:`TrainState`).
+    The trainer holds the loop and its parts: ``data`` (:class:`TrainData`), ``window_step``
+    (:class:`WindowStep`), ``recovery`` (:class:`InProcessRecovery` along ``ladder``),
+    ``evaluator``, ``checkpoints`` (:class:`CheckpointManager`), ``metrics``, ``signals``,
+    ``ranks`` (:class:`RankAgreement`) and ``precision``; the progress is ``state``.
     """
 
     def __init__(self, task: Task, config: TrainConfig, options: TrainOptions, *,
@@ -93,7 +97,7 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
                  recovery_state: Mapping[str, Any] | None = None) -> None:
         self.rank, self.world_size = _ranks(config)
         _check_task(task, options)
-        self.task, self.config, self.options = task, config, options
+        self.task, self.options = task, options
         self.memory_guard = memory_guard
         self.device = torch.device(options.device)
         self.out_dir = options.out_dir
@@ -101,19 +105,23 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         self.best_path = self.out_dir / "best_model.pt"
         self.model_path = self.out_dir / "model.pt"
         self.metrics_path = options.metrics_path or self.out_dir / "metrics.jsonl"
-        self._stop_signal = None
-        # OOM recovery: the rungs still below the running configuration, in order.
-        self.ladder: list[TrainConfig] = ladder_configs(ladder, config)
-        self._ladder_peaks = ladder_peaks(ladder)
-        self._recovering = ladder is not None  # without a ladder an OOM propagates
-        self._optimizer_undo: _Snapshot | None = None
-        self._peak_floor: int | None = None
-        self.largest_batch: dict[str, Any] | None = None
-        """The largest micro-batch met (step, elements, shapes) and its step's peak."""
-        self.recoveries: list[dict[str, Any]] = []
-        self._tried: list[TrainConfig] = [config]
-        self._phase = "setup"
-        self._decided = dict(recovery_state) if recovery_state is not None else None
+        # The parts that need no model; the others are made by _setup, inside the guard.
+        self.ranks = RankAgreement(self.rank, self.world_size, strategy=config.strategy, device=self.device)
+        self.signals = StopSignals()
+        self.phase = Phase(memory_guard)
+        self.peak = PeakMemory(self.device, memory_guard)
+        # OOM recovery: the running configuration and the rungs still below it, in order.
+        self.ladder = Ladder(config, ladder, recovery_state)
+
+    @property
+    def config(self) -> TrainConfig:
+        """The configuration running now (an OOM recovery's rung after one)."""
+        return self.ladder.config
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The OOM recoveries' records."""
+        return self.ladder.recoveries
 
     @property
     def step(self) -> int:
@@ -123,8 +131,9 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
     def run(self) -> TrainResult:
         # Rank 0 holds the folder for the run (a launch's ranks leave it to their launcher):
         # two runs writing into one folder would interleave their logs and weights.
-        with claim_out_dir(self.out_dir, "out_dir") if self.is_main else contextlib.nullcontext():
-            if self.is_main and not self.options.resume:
+        is_main = self.ranks.is_main
+        with claim_out_dir(self.out_dir, "out_dir") if is_main else contextlib.nullcontext():
+            if is_main and not self.options.resume:
                 check_out_dir(self.out_dir, resume=False, overwrite=self.options.overwrite,
                               flags=("resume=True", "overwrite=True"))
             try:
@@ -142,40 +151,35 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._setup_data()
         guard = self.memory_guard if self.memory_guard is not None else contextlib.nullcontext()
-        with guard, self._stop_on_signals():
-            self._set_phase("setup")
+        with guard, self.signals.caught():
+            self.phase.set("setup")
             self._setup()
             resumed_from = self._resume() if self.options.resume else None
-            self._open_log(resumed=resumed_from is not None)
-            self._bar = self._progress_bar()
+            self.metrics.open(resumed=resumed_from is not None, step=self.state.step)
             try:
                 if resumed_from is not None:
-                    self._log({"type": "resume", "step": self.state.step, "epoch": self.state.epoch})
-                self._log_decided_recovery()
+                    self.metrics.log({"type": "resume", "step": self.state.step, "epoch": self.state.epoch})
+                self.recovery.log_decided(self.state)
                 if self._pending_evaluation:
-                    self._evaluate_and_track()  # the evaluation an OOM interrupted before the relaunch
+                    self._evaluate()  # the evaluation an OOM interrupted before the relaunch
                 interrupted = self._train_loop()
                 if not interrupted and self.state.step > 0 and self.state.last_train_loss is None:
                     # Every optimizer step was skipped for a NaN/inf loss (fewer of them than the
                     # limit): the weights are untrained, which is no "done".
                     raise self._nonfinite_error()
-                if not interrupted:
-                    self._finish_evaluation()
-                self._save_checkpoint()
-                self._write_result_weights()
+                if not interrupted and self.data.val_loader is not None and self.state.last_eval_step != self.state.step:
+                    self._evaluate()  # the run's last evaluation, unless the last window was just evaluated
+                self.checkpoints.save(self.state)
+                self.evaluator.write_result_weights(self.state)
             finally:
-                self._bar.close()
-                try:
-                    self._flush_log()  # also when a signal, an error or a second Ctrl-C ends the run
-                finally:
-                    self._metrics_file.close()
+                self.metrics.close()  # also when a signal, an error or a second Ctrl-C ends the run
             wall_s = time.perf_counter() - t0
             summary = self._summary(wall_s, interrupted, resumed_from)
-        if self.is_main:
+        if self.ranks.is_main:
             _write_json_atomic(self.out_dir / "summary.json", summary)
         if interrupted:
             log.warning("stopped by %s at step %d; checkpoint %s resumes it (resume=True)",
-                        self._stop_signal, self.state.step, self.checkpoint_path)
+                        self.signals.received, self.state.step, self.checkpoint_path)
         return TrainResult(
             steps=self.state.step, epochs_completed=self.state.epoch, best_metric=self.state.best_metric,
             final_metrics=dict(summary["final_metrics"]), wall_s=wall_s, interrupted=interrupted,
@@ -184,35 +188,75 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
 
     def _train_loop(self) -> bool:
         """Windows until the run is done; True when a signal interrupted it."""
-        windows = self._windows()
+        state, opts = self.state, self.options
+        windows = self.data.windows(state.epoch, state.epoch_offset)
         try:
-            while self.state.step < self.total_steps and not self.state.stopped_early:
+            while state.step < self.total_steps and not state.stopped_early:
                 window, batches = next(windows)
-                recovered_before = len(self.recoveries)
-                outcome = self._run_window_recovering(window, batches)
+                recovered_before = len(self.ladder.recoveries)
+                # forward, backward, optimizer step (replayed one rung down after an OOM)
+                outcome = self.recovery.run_window(window, batches, state)
                 del batches
                 self._after_window(window, outcome)
-                epoch_ended = self.state.epoch_offset == 0
-                if self._due(self.options.eval_every, epoch_ended) and self.val_loader is not None:
-                    self._evaluate_and_track()
-                if self._due(self.options.checkpoint_every, epoch_ended) and self.state.consecutive_nonfinite == 0:
+                epoch_ended = state.epoch_offset == 0
+                if _due(opts.eval_every, state.step, epoch_ended) and self.data.val_loader is not None:
+                    self._evaluate()
+                if _due(opts.checkpoint_every, state.step, epoch_ended) and state.consecutive_nonfinite == 0:
                     # Not during a NaN streak: the last checkpoint before it is the good one.
-                    self._save_checkpoint()
-                if len(self.recoveries) != recovered_before:
+                    self.checkpoints.save(state)
+                if len(self.ladder.recoveries) != recovered_before:
                     # An OOM recovery (in the step or the evaluation) changed the micro-batch: the
                     # windows ahead were cut for the old one; cut them anew from here.
                     windows.close()
-                    windows = self._windows()
-                if self._agree_stop():
-                    if self._stop_signal is None:
-                        self._stop_signal = "peer"  # another rank got the signal first
+                    windows = self.data.windows(state.epoch, state.epoch_offset)
+                if self.ranks.any_stop(self.signals.received is not None):
+                    if self.signals.received is None:
+                        self.signals.received = "peer"  # another rank got the signal first
                     return True
         finally:
             windows.close()  # let go of the half-read epoch's DataLoader iterator
         return False
 
+    def _after_window(self, window: _Window, outcome: _WindowOutcome) -> None:
+        """Advance the position and counters, step the schedule and EMA, log the step."""
+        state = self.state
+        lr = self.schedule.get_last_lr()[0]  # the lr this step used
+        state.step += 1
+        state.samples_seen += window.global_items
+        if window.end >= self.data.n_epoch:
+            state.epoch, state.epoch_offset = state.epoch + 1, 0
+        else:
+            state.epoch_offset = window.end
+
+        if outcome.nonfinite:
+            state.skipped_steps += 1
+            state.consecutive_nonfinite += 1
+        else:
+            state.consecutive_nonfinite = 0
+            state.last_train_loss = outcome.loss
+            # A step the GradScaler skipped still moves the schedule on (as Lightning does):
+            # such skips happen while the scale calibrates and are not a training problem.
+            self.schedule.step()  # (the step itself updated the EMA when it applied)
+            if outcome.scaler_skipped:
+                state.scaler_skipped_steps += 1
+
+        self.metrics.log_step(state.step, window, outcome, lr)
+
+        if state.consecutive_nonfinite >= self.options.max_nonfinite:
+            raise self._nonfinite_error()
+
+    def _evaluate(self) -> None:
+        """Evaluate (stepping down the ladder after an OOM) and count it: best, early stopping."""
+        metrics = self.recovery.evaluate(self.evaluator.evaluate, self.state)
+        self.evaluator.track(self.state, metrics)
+
+    def _setup_data(self) -> None:
+        """Datasets and loaders, first and outside the memory guard (see :class:`TrainData`)."""
+        self.data = TrainData(self.task, self.config, self.options, device=self.device, rank=self.rank,
+                              world_size=self.world_size)
+
     def _setup(self) -> None:
-        """Model, optimizer, precision, EMA, schedule and the counters, inside the guard."""
+        """Model, optimizer, precision, EMA, schedule, the counters and the parts, inside the guard."""
         opts, task, config = self.options, self.task, self.config
         # Seed everything the model's initialisation and dropout draw from; the data order has
         # its own generators and does not depend on this state.
@@ -225,7 +269,7 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         # ``forward_model`` is what the training step calls.
         device_ids = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
         self._built = build_for_training(task, config, self.device, compile=opts.compile, device_ids=device_ids)
-        self.model, self._wrapped, self.forward_model = self._built.model, self._built.wrapped, self._built.forward_model
+        self.model = self._built.model
 
         # After sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold.
         # (Stepped in backward, one parameter at a time, with TrainConfig.optimizer_in_backward.)
@@ -234,31 +278,51 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = float(lr)
-        self.scaler = self._make_scaler(config.precision)
+        self.precision = TrainPrecision(config.precision, self.device, sharded=config.strategy == "fsdp",
+                                        scaler_kwargs=opts.scaler_kwargs())
         self.ema = EMA(self.model, opts.ema_decay) if opts.ema_decay is not None else None
-        self._loss_fn = training_loss(task, opts.label_smoothing)
 
         self.total_steps = self._total_steps()
         self.schedule: LRSchedule = self._make_schedule()
-        if self.schedule_needs_val and self.val_loader is None:
+        if self.schedule_needs_val and self.data.val_loader is None:
             raise ConfigError(
                 f"the model file's ReduceLROnPlateau scheduler needs validation data; define val_data() in {task.name}"
             )
 
         self.state = TrainState()  # progress, saved in checkpoints
-        self.last_checkpoint_step: int | None = None
-        self._last_dcp: str | None = None  # the sharded folder the last checkpoint.pt names
         self._pending_evaluation = False
-        # This process only.
-        self._throughput: list[tuple[int, float]] = []
         # Per-layer gradient norms every N steps and NVML readings (memplan.training._monitor); FSDP2's
         # gradients are shards, whose per-layer norms would each need a collective.
-        self._monitor = TrainingMonitor(self.device, enabled=self.config.strategy != "fsdp" and self.is_main)
+        monitor = TrainingMonitor(self.device, enabled=config.strategy != "fsdp" and self.ranks.is_main)
+
+        # The parts, each given what it uses.
+        self.metrics = Metrics(self.metrics_path, is_main=self.ranks.is_main, progress=opts.progress,
+                               total_steps=self.total_steps, peak=self.peak, monitor=monitor)
+        self.window_step = WindowStep(
+            model=self.model, forward_model=self._built.forward_model, wrapped=self._built.wrapped,
+            optimizer=self.optimizer, precision=self.precision, ema=self.ema,
+            loss_fn=training_loss(task, opts.label_smoothing), device=self.device, options=opts,
+            strategy=config.strategy, ranks=self.ranks, monitor=monitor, phase=self.phase,
+            keep_undo=self.ladder.enabled)
+        self.evaluator = Evaluator(
+            task, model=self.model, forward_model=self._built.forward_model, ema=self.ema,
+            val_loader=self.data.val_loader, precision=self.precision, strategy=config.strategy, device=self.device,
+            options=opts, schedule=self.schedule, ranks=self.ranks, metrics=self.metrics, phase=self.phase,
+            best_path=self.best_path, model_path=self.model_path)
+        self.checkpoints = CheckpointManager(
+            self.out_dir, task=task, options=opts, n_train=self.data.n_train, model=self.model,
+            optimizer=self.optimizer, schedule=self.schedule, ema=self.ema, precision=self.precision,
+            ladder=self.ladder, ranks=self.ranks, metrics=self.metrics, phase=self.phase, best_path=self.best_path)
+        self.recovery = InProcessRecovery(
+            self.ladder, window_step=self.window_step, data=self.data, checkpoints=self.checkpoints,
+            switch_config=self._switch_config, model=self.model, optimizer=self.optimizer, precision=self.precision,
+            device=self.device, seed=opts.seed, ranks=self.ranks, peak=self.peak, phase=self.phase,
+            metrics=self.metrics, out_dir=self.out_dir)
 
     def _total_steps(self) -> int:
         """Length of the run, in optimizer steps (windows)."""
         opts, task, config = self.options, self.task, self.config
-        self.steps_per_epoch = math.ceil(self.sampler.n_epoch / config.global_batch)
+        self.steps_per_epoch = math.ceil(self.data.n_epoch / config.global_batch)
         # One rule for the length, whoever trains (fit, memplan train, memplan.train): the options',
         # else the model file's settings', else the default epochs.
         epochs, max_steps = opts.training_length(task.settings)
@@ -291,53 +355,65 @@ class Trainer(_Loaders, _Step, _InProcessRecovery, _Evaluation, _Checkpoints, _M
             schedule_args.setdefault("mode", opts.mode)
         return make_schedule(name, self.optimizer, warmup_steps=warmup, total_steps=self.total_steps, **schedule_args)
 
-    def _after_window(self, window: _Window, outcome: _WindowOutcome) -> None:
-        """Advance the position and counters, step the schedule and EMA, log the step."""
-        lr = self.schedule.get_last_lr()[0]  # the lr this step used
-        self.state.step += 1
-        self.state.samples_seen += window.global_items
-        if window.end >= self.sampler.n_epoch:
-            self.state.epoch, self.state.epoch_offset = self.state.epoch + 1, 0
-        else:
-            self.state.epoch_offset = window.end
+    def _resume(self) -> int | None:
+        """Continue from ``checkpoint.pt`` if there is one; returns its step (None: fresh start)."""
+        ckpt = self.checkpoints.load(self.device)
+        if ckpt is None:
+            return None
+        saved = TrainConfig.from_dict(ckpt["config"])
+        resume_on = self.ladder.resume(ckpt.get("recovery") or {}, saved)
+        if resume_on != self.config:
+            # The run stepped down after an OOM: continue on the configuration that worked
+            # (before the tensors are loaded: a switch to fp16 makes the GradScaler they fill).
+            log.warning("resuming on %s, the configuration an OOM recovery switched to", resume_on.describe())
+            self._switch_config(resume_on)
+        self._pending_evaluation = bool(ckpt.get("pending_evaluation")) and self.data.val_loader is not None
+        return self.checkpoints.restore(ckpt, self.state)
 
-        if outcome.nonfinite:
-            self.state.skipped_steps += 1
-            self.state.consecutive_nonfinite += 1
-        else:
-            self.state.consecutive_nonfinite = 0
-            self.state.last_train_loss = outcome.loss
-            # A step the GradScaler skipped still moves the schedule on (as Lightning does):
-            # such skips happen while the scale calibrates and are not a training problem.
-            self.schedule.step()  # (the step itself updated the EMA when it applied)
-            if outcome.scaler_skipped:
-                self.state.scaler_skipped_steps += 1
+    def _switch_config(self, new: TrainConfig) -> None:
+        """Apply ``new`` (same global batch) to the running parts: the step's forward, the
+        precision, the data's micro-batches; it becomes ``config``."""
+        old = self.config
+        if new.global_batch != old.global_batch:
+            raise ConfigError(f"cannot switch from global batch {old.global_batch} to {new.global_batch}")
+        if new.checkpoint_segments > old.checkpoint_segments or (
+            new.checkpoint_policy == "full" and old.checkpoint_policy != "full"
+        ):
+            # Idempotent per block: blocks checkpointed already stay so (only ever stepping down);
+            # a compiled forward is compiled again from the same wrapper as at setup.
+            forward_model = checkpoint_more(
+                self._built, self.task, new.checkpoint_segments, policy=new.checkpoint_policy
+            ).forward_model
+            self.window_step.forward_model = self.evaluator.forward_model = forward_model
+        self.precision.switch(new.precision)
+        self.data.set_micro_batch_size(new.micro_batch_size)
+        self.evaluator.val_loader = self.data.val_loader
+        self.ladder.config = new
 
-        self._log_step(window, outcome, lr)
-
-        if self.state.consecutive_nonfinite >= self.options.max_nonfinite:
-            raise self._nonfinite_error()
+    def _summary(self, wall_s: float, interrupted: bool, resumed_from: int | None) -> dict[str, Any]:
+        return run_summary(
+            task=self.task, config=self.config, options=self.options, device=self.device, world_size=self.world_size,
+            state=self.state, total_steps=self.total_steps, wall_s=wall_s, interrupted=interrupted,
+            stop_signal=self.signals.received, resumed_from=resumed_from, recoveries=self.ladder.recoveries,
+            peak=self.ranks.max_over_ranks(self.peak.run()),  # the fullest device's
+            metrics=self.metrics,
+            files={"model": self.model_path, "checkpoint": self.checkpoint_path, "metrics": self.metrics_path})
 
     def _nonfinite_error(self) -> TrainingError:
+        last = self.checkpoints.last_step
         where = (
-            f"the last good checkpoint is {self.checkpoint_path} (step {self.last_checkpoint_step})"
-            if self.last_checkpoint_step is not None
+            f"the last good checkpoint is {self.checkpoint_path} (step {last})"
+            if last is not None
             else "no checkpoint was written before it (set checkpoint_every to keep one)"
         )
-        # fp16's narrow range overflows where bf16 and fp32 do not; a run already in bf16 or
-        # fp32 has a NaN of its own making (the model, the data or the learning rate).
-        fix = {
-            "fp16-mixed": "lower the learning rate or use bf16-mixed/fp32 instead of fp16",
-            "bf16-mixed": "lower the learning rate, or try fp32",
-            "bf16-true": "lower the learning rate, or try bf16-mixed (fp32 weights)",
-            "fp16-true": "use bf16-true or bf16-mixed: fp16 weights without a GradScaler overflow",
-        }.get(self.config.precision, "lower the learning rate, and check the model's outputs and the data for NaN/inf")
         return TrainingError(
-            f"loss was NaN/inf for {self.state.consecutive_nonfinite} consecutive steps at step {self.state.step}; {fix}; {where}"
+            f"loss was NaN/inf for {self.state.consecutive_nonfinite} consecutive steps at step {self.state.step}; "
+            f"{self.precision.nonfinite_advice}; {where}"
         )
 
-    def _due(self, every: int | None, epoch_ended: bool) -> bool:
-        return epoch_ended if every is None else self.state.step % every == 0
+
+def _due(every: int | None, step: int, epoch_ended: bool) -> bool:
+    return epoch_ended if every is None else step % every == 0
 
 
 def train(
