@@ -38,6 +38,7 @@ from estimators import Task, load_task
 
 from ..planning._space import DEFAULT_GLOBAL_BATCH
 from ._problems import DoctorReport, Finding, Severity
+from ._steps import PlainSteps, fresh_model
 
 __all__ = ["doctor", "CHECKS", "loader_finding"]
 
@@ -59,8 +60,7 @@ def _to(batch: Any, device: str) -> Any:
 
 
 def _fresh_model(task: Task, device: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return task.build_model().to(device).train()
+    return fresh_model(task, device, seed)  # as the trainer builds it; a prebuilt module is copied
 
 
 def check_init(model: nn.Module, out: list[Finding], stats: dict[str, Any]) -> None:
@@ -285,21 +285,24 @@ def _train_steps(
     seen: dict[str, bool] | None = None,
     done: Callable[[list[float]], bool] | None = None,
 ) -> list[float]:
-    optimizer = task.make_optimizer(model)
+    """Up to ``steps`` of the trainer's own step (``_steps.PlainSteps``); stops at a NaN/inf
+    loss (recorded) or when ``done(losses)``. ``seen`` marks the parameters that got a
+    non-zero gradient."""
+    plain = PlainSteps(task, model, str(next(model.parameters()).device))
+
+    def mark(m: nn.Module) -> None:
+        assert seen is not None
+        for n, p in m.named_parameters():
+            if p.grad is not None and bool((p.grad != 0).any()):
+                seen[n] = True
+
     losses = []
     for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = task.compute_loss(model, batches(step))
-        if not _finite(loss.detach()):
+        value = plain.step(batches(step), on_gradients=mark if seen is not None else None)
+        if not math.isfinite(value):
             losses.append(float("nan"))
             break
-        loss.backward()
-        if seen is not None:
-            for n, p in model.named_parameters():
-                if p.grad is not None and bool((p.grad != 0).any()):
-                    seen[n] = True
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(value)
         if done is not None and done(losses):
             break
     return losses
@@ -422,12 +425,10 @@ def check_loader(
     start = time.perf_counter()
     loaded = [b for b in loader]
     load_s = (time.perf_counter() - start) / max(len(loaded), 1)
-    optimizer = task.make_optimizer(model)
+    plain = PlainSteps(task, model, device)
     start = time.perf_counter()
     for b in loaded:
-        optimizer.zero_grad(set_to_none=True)
-        task.compute_loss(model, _to(b, device)).backward()
-        optimizer.step()
+        plain.step(_to(b, device))
     step_s = (time.perf_counter() - start) / max(len(loaded), 1)
     stats["loader"] = {"load_ms": load_s * 1e3, "step_ms": step_s * 1e3, "batch_size": batch_size}
     finding = loader_finding(load_s, step_s)

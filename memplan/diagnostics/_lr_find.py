@@ -24,20 +24,10 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from estimators import (
-    ConfigError,
-    Task,
-    TrainConfig,
-    backward,
-    forward_context,
-    load_task,
-    make_grad_scaler,
-    normalize_precision,
-    optimizer_step,
-    parse_count,
-)
+from estimators import ConfigError, Task, TrainConfig, load_task, normalize_precision, parse_count
 
 from ..planning._space import DEFAULT_GLOBAL_BATCH
+from ._steps import PlainSteps, fresh_model
 
 __all__ = ["LrFindResult", "lr_find", "suggest", "add_lr_find_arguments", "run_lr_find"]
 
@@ -103,10 +93,7 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
     # settings["global_batch"]: a whole number >= 1 or None (checked where the task was made).
     b = batch_size or int(task.settings.get("global_batch") or DEFAULT_GLOBAL_BATCH)
     n = task.dataset_size() or b
-    torch.manual_seed(seed)
-    net = task.build_model().to(device).train()
-    optimizer = task.make_optimizer(net)
-    scaler = make_grad_scaler(precision, device)
+    steps_of = PlainSteps(task, fresh_model(task, device, seed, precision), device, precision)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     data = task.dataset()
     factor = (end_lr / start_lr) ** (1 / max(steps - 1, 1))
@@ -115,19 +102,14 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
     diverged = False
     for step in range(steps):
         lr = start_lr * factor**step
-        _set_lr(optimizer, lr)
+        _set_lr(steps_of.optimizer, lr)
         items = [data[order[(step * b + i) % n]] for i in range(b)] if data is not None else None
         batch = task.collate(items) if items is not None else task.real_batch(b, offset=step * b)
         batch = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
-        optimizer.zero_grad(set_to_none=True)
-        with forward_context(precision, device):
-            loss = task.compute_loss(net, batch)
-        value = float(loss.detach())
+        value = steps_of.step(batch)  # the trainer's step; a NaN/inf loss leaves the weights
         if not math.isfinite(value):
             diverged = True
             break
-        backward(loss, scaler)
-        optimizer_step(optimizer, scaler)
         lrs.append(lr)
         losses.append(value)
         smoothed = _smooth(losses, beta)
