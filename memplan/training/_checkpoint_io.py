@@ -270,7 +270,7 @@ def load_sharded(
 
 
 _SHARDED_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-f]{8}")
-"""The name :meth:`_Checkpoints._save_sharded` gives a sharded checkpoint's folder:
+"""The name :meth:`CheckpointManager._save_sharded` gives a sharded checkpoint's folder:
 ``step-<step, 8 digits or more>-<4 random bytes in hex>``."""
 
 
