@@ -187,3 +187,19 @@ def test_a_plan_larger_than_the_data_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"global batch of 64 .* larger than tiny's 32 training items"):
         train(_task(), TrainConfig(micro_batch_size=64), _options(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_a_forked_child_does_not_keep_the_folder(tmp_path):
+    # DataLoader workers are forked and may outlive a run (persistent_workers): the next run of
+    # the same process (a resume) must be able to claim the folder while they live.
+    out = tmp_path / "run"
+    with claim_out_dir(out):
+        pid = os.fork()
+        if pid == 0:  # the child: outlive the claim
+            time.sleep(3)
+            os._exit(0)
+    try:
+        with claim_out_dir(out):
+            pass
+    finally:
+        os.waitpid(pid, 0)

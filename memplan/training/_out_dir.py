@@ -3,8 +3,8 @@
 Two runs writing into one folder interleave their metrics and overwrite each other's weights;
 a fresh run started in a finished run's folder replaces its results (and makes its
 ``checkpoint.previous.pt`` the other run's). So a run *claims* its folder for as long as it
-lives -- an advisory ``flock`` on ``OUT/.memplan.lock``, which the kernel lets go of when the
-process ends however it ends, so that a killed run leaves no stale lock behind -- and a fresh
+lives -- an advisory lock on ``OUT/.memplan.lock`` (``fcntl.lockf``), which the kernel lets go
+of when the process ends however it ends, so that a killed run leaves no stale lock behind -- and a fresh
 run refuses a folder that holds results unless told to replace them (``overwrite``).
 
 The claim is the process's: claiming again in the same process (``fit`` claims before its
@@ -128,7 +128,7 @@ def claim_out_dir(out_dir: str | os.PathLike[str], what: str = "--out") -> Itera
 
 
 def _lock(key: Path, what: str) -> IO[str] | None:
-    """The open, locked lock file of ``key`` (None where the platform has no ``flock``)."""
+    """The open, locked lock file of ``key`` (None where the platform has no ``fcntl``)."""
     try:
         import fcntl
     except ImportError:  # Windows: no advisory locks; the folder is not guarded
@@ -139,7 +139,9 @@ def _lock(key: Path, what: str) -> IO[str] | None:
     except OSError as exc:
         raise ConfigError(f"{what} {key}: cannot write there ({exc.strerror}); choose a writable folder") from None
     try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # A POSIX record lock, not flock(): it belongs to this process alone, so that the
+        # processes it forks (DataLoader workers that outlive a run) do not keep holding it.
+        fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         handle.seek(0)
         holder = _describe(handle.read())
