@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..tracing._events import EventTable
 from ..tracing._recorder import Category
 from ..tracing._trace import Trace
 from ._workspace import Source, WorkspaceFit
@@ -21,16 +22,10 @@ from ._workspace import Source, WorkspaceFit
 __all__ = ["Prepared", "prepare"]
 
 
-@dataclass
-class Prepared:
-    """A trace with workspace events inserted, ready to replay."""
+@dataclass(kw_only=True)
+class Prepared(EventTable):
+    """A trace's event table with the workspace events inserted, ready to replay."""
 
-    alloc_bytes: np.ndarray
-    alloc_category: np.ndarray
-    event_alloc: np.ndarray
-    event_sign: np.ndarray
-    event_phase: np.ndarray
-    phase_labels: list[str]
     method: str
     notes: tuple[str, ...] = ()
     ops: list = field(default_factory=list)

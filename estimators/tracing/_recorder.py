@@ -22,10 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from estimators.tracing import _simulated_ranks as _distributed
-
 from .._types import Batch
 from ..runtime._step import StepHooks
+from . import _simulated_ranks as _distributed
 
 __all__ = ["Category", "OnCompute", "OpRecord", "Recorder", "RecordingHooks", "PHASES", "recorded_rng_states"]
 

@@ -37,9 +37,12 @@ if TYPE_CHECKING:
 __all__ = ["RawEvents", "drop_second_micro", "repeat_first_step"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RawEvents:
-    """The recorder's lists for a trace (see ``estimators.tracing._trace.Trace`` for their meaning)."""
+    """The event table as the recorder writes it, in lists (the columns are
+    :class:`~estimators.tracing._events.EventTable`'s), with the ops and what the steady
+    derivations need: :func:`repeat_first_step` and :func:`drop_second_micro` append and drop
+    rows, which lists do cheaply; ``Trace`` then holds it as arrays."""
 
     alloc_bytes: list[int]
     alloc_category: list[int]

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from estimators.tracing import _simulated_ranks as _distributed
-
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
 from .._step_options import StepOptions
@@ -31,7 +29,9 @@ from ..runtime._planned import PlannedSteps
 from ..runtime._step import StepHooks
 from ..task._task import Task, _one_line
 from . import _cpu_offload
+from . import _simulated_ranks as _distributed
 from ._cuda_semantics import semantics_notes, trace_semantics
+from ._events import EventTable
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
 from ._profiler import allocated_bytes, event_tree, walk_events
 from ._recorder import Category, OnCompute, OpRecord, Recorder, RecordingHooks, recorded_rng_states
@@ -47,23 +47,13 @@ class DataDependentShapes(MemplanError):
     """The model's shapes depend on data values; fake tensors cannot trace it."""
 
 
-@dataclass(eq=False)
-class Trace:
-    """Ordered allocation events of one traced training run.
-
-    ``event_alloc[i]`` is the allocation an event refers to and ``event_sign[i]`` is +1 for
-    its creation, -1 for its release; ``alloc_bytes``/``alloc_category`` describe each
-    allocation. ``event_phase[i]`` indexes ``phase_labels``.
-    """
+@dataclass(eq=False, kw_only=True)
+class Trace(EventTable):
+    """The event table of one traced training run (:class:`EventTable`), with its ops and
+    what it was traced for."""
 
     batch_size: int
     config: TrainConfig
-    alloc_bytes: np.ndarray
-    alloc_category: np.ndarray
-    event_alloc: np.ndarray
-    event_sign: np.ndarray
-    event_phase: np.ndarray
-    phase_labels: list[str]
     ops: list[OpRecord]
     method: str
     """"traced" (fake tensors) or "measured-cpu" (a real CPU run)."""
@@ -86,17 +76,6 @@ class Trace:
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
     one device with accumulation >= 2; see ``estimators.tracing._steady.drop_second_micro``)."""
-
-    def structure_key(self) -> tuple[int, int]:
-        return (len(self.event_alloc), len(self.alloc_bytes))
-
-    def same_structure(self, other: Trace) -> bool:
-        return (
-            self.structure_key() == other.structure_key()
-            and np.array_equal(self.event_alloc, other.event_alloc)
-            and np.array_equal(self.event_sign, other.event_sign)
-            and np.array_equal(self.alloc_category, other.alloc_category)
-        )
 
 
 _DATA_DEPENDENT = (
@@ -258,9 +237,12 @@ def _finished(rec: Recorder, phase_labels: list[str], prof: profile | None, conf
     # by its timing.
     end = len(phase_labels) - 1
     kept = next((k for k, ph in enumerate(rec.event_phase) if ph >= end), len(rec.event_phase))
-    raw = RawEvents(rec.alloc_bytes, rec.alloc_category, rec.event_alloc[:kept], rec.event_sign[:kept],
-                    rec.event_phase[:kept], phase_labels, rec.ops, rec.op_positions, rec.host,
-                    _op_workspaces(prof, rec.op_new_bytes) if prof is not None else None, rec.resized)
+    raw = RawEvents(alloc_bytes=rec.alloc_bytes, alloc_category=rec.alloc_category,
+                    event_alloc=rec.event_alloc[:kept], event_sign=rec.event_sign[:kept],
+                    event_phase=rec.event_phase[:kept], phase_labels=phase_labels, ops=rec.ops,
+                    op_positions=rec.op_positions, host=rec.host,
+                    op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
+                    resized=rec.resized)
     if not derive:
         return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
