@@ -94,7 +94,7 @@ def cuda_rows() -> list[str]:
 
 def loss_rows(steps: int = 100) -> list[str]:
     sys.path.insert(0, str(HERE.parent / "tests"))
-    from test_bf16_true import teacher_task
+    from helpers.models import teacher_task
 
     task = teacher_task()
     lines = ["| precision | first loss | mean of last 10 | vs fp32 |", "|---|---|---|---|"]

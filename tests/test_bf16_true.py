@@ -9,8 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 from estimators import ConfigError, Estimator, Task, TrainConfig, load_task, normalize_precision
 from estimators.probing._measure import measure_cpu_peak
@@ -21,24 +19,7 @@ from estimators.runtime._planned import PlannedSteps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_TASKS: list[Task] = []  # estimators cache datasets by id(task): keep every task alive
-
-
-def teacher_task() -> Task:
-    """An MLP with batch norm learning a random linear teacher's argmax (1024 samples)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1024, 16, generator=g)
-    y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
-                             nn.Linear(64, 4))
-
-    task = Task(name="teacher", build_model=build, train_data=lambda: TensorDataset(x, y),
-                build_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3))
-    _TASKS.append(task)
-    return task
+from helpers.models import teacher_task  # noqa: E402 - shared with benchmarks/bf16_true.py
 
 
 class Tied(nn.Module):

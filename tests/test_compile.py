@@ -9,8 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch.nn as nn
-from test_estimator import TinyLM, lm_task  # noqa: E402
+from helpers.models import TinyLM, lm_task
 
 from estimators import Estimator, Task, TrainConfig
 from memplan import Plan, search
@@ -37,9 +36,9 @@ def _cache(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _pinned_rates(monkeypatch):
-    # The CPU's rates pinned (as in test_search): measuring them again in every test's fresh
+    # The CPU's rates pinned (as in the search's tests: helpers.search): measuring them again in every test's fresh
     # cache costs seconds, and the decisions here hang on the fake probes' figures only.
-    from test_search import _PINNED_RATES
+    from helpers.search import PINNED_RATES as _PINNED_RATES
 
     from estimators.estimator import _estimate
     monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: _PINNED_RATES)
@@ -103,7 +102,7 @@ def test_not_evaluated_without_a_device_or_when_opted_out():
     assert off.compile is None and calls == []
     assert any(n.startswith("torch.compile not evaluated (no compiled probes") for n in off.notes)
     # Probes replaced without the compiled measurement: none runs, and the plan says so.
-    from test_search import _measured_probe
+    from helpers.search import measured_probe as _measured_probe
     replaced = search(_LM, **{**_SEARCH, "probe_fn": _measured_probe([], {})})
     assert replaced.compile is None and any("the probes are replaced" in n for n in replaced.notes)
 

@@ -5,61 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers.models import Block, TinyLM, cnn_task, lm_task, rel_error  # noqa: F401 - shared builders
 
 from estimators import ConfigError, Estimator, ModelFileError, Task, TrainConfig, estimate
 from estimators.probing._measure import measure_cpu_peak, storage_bytes
 from estimators.runtime._checkpoint import apply_checkpointing, find_block_stack, select_blocks
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """Tied embeddings and a ModuleList of blocks: the shape of a GPT."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 4) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-def lm_task() -> Task:
-    def sample(b: int):
-        g = torch.Generator().manual_seed(b)
-        x = torch.randint(0, 64, (b, 16), generator=g)
-        return x, torch.roll(x, -1, dims=1)  # token ids < 64 fit any vocab >= 64
-    return Task(name="tinylm", build_model=lambda: TinyLM(), sample_fn=sample)
-
-
-def cnn_task() -> Task:
-    def build() -> nn.Module:
-        return nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
-        )
-    return Task(name="cnn", build_model=build,
-                sample_fn=lambda b: (torch.randn(b, 3, 16, 16), torch.randint(0, 10, (b,))))
-
-
-def rel_error(pred: int, ref: int) -> float:
-    return abs(pred - ref) / ref
 
 
 @pytest.mark.parametrize("factory", [lm_task, cnn_task], ids=["lm", "cnn"])

@@ -25,7 +25,7 @@ from estimators.timing._activation_offload_time import LINK_EFFICIENCY, host_lin
 from estimators.tracing._recorder import Category
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_estimator import lm_task  # noqa: E402
+from helpers.models import lm_task
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from estimators.runtime._planned import PlannedSteps
 from estimators.task._task import load_task
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_estimator import TinyLM, lm_task  # noqa: E402
+from helpers.models import TinyLM, lm_task
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CLIP = StepOptions(clip="off")

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.models import SLEEPY  # noqa: E402 - shared with the search's tests
 
 # The probe tests' fixtures: a 60 s bound per test, and one probe server for the module.
 from helpers.probe import assert_no_probe_children, probe_server, time_bound, write_model  # noqa: F401
@@ -14,32 +15,6 @@ from helpers.probe import assert_no_probe_children, probe_server, time_bound, wr
 from estimators import TrainConfig
 from estimators._errors import ConfigError
 from estimators.probing._race import RaceResult, race
-
-# Each block's forward sleeps: a checkpointed block runs it twice per step (forward, then
-# again in the backward), so the checkpointed configuration is slower whatever the machine's
-# load — sleeping does not compete for the cores. The sleeps are long (50 ms) so that a step's
-# compute, which a loaded machine (a parallel test run) stretches, stays a small part of it.
-SLEEPY = """
-import time
-import torch, torch.nn as nn
-from torch.utils.data import TensorDataset
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-    def forward(self, x):
-        time.sleep(0.05)
-        return x + self.fc(x)
-
-def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 3))
-
-def train_data():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
-"""
 
 PLAIN = TrainConfig(micro_batch_size=8)
 CHECKPOINTED = TrainConfig(micro_batch_size=8, checkpoint_segments=2)

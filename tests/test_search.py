@@ -3,15 +3,13 @@ NoFeasiblePlanError and the plan's JSON round-trip."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn as nn
-from test_estimator import TinyLM, lm_task  # noqa: E402
+from helpers.models import TinyLM, lm_task
+from helpers.search import PINNED_RATES, measured_probe, probe_estimator  # noqa: F401
 
 from estimators import NoFeasiblePlanError, Task, TrainConfig
-from estimators.timing._timing import DeviceRates
 from memplan import Plan, search
 from memplan.planning._space import build_space
 
@@ -28,17 +26,12 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
 
 
-# The CPU's rates, pinned: measured ones move with the machine's load, and with them the
-# predicted order of near ties (lm()'s micro-batch 8 with one checkpoint segment against
-# 4 x2), which the tests of races and walks start from. These are this machine's, rounded,
-# without the per-op-class rates.
-_PINNED_RATES = DeviceRates("pinned-cpu", {"float32": 8e10, "bfloat16": 1e10, "float16": 3e9}, 2e10, 1.5e-5, {})
 
 
 @pytest.fixture(autouse=True)
 def _pinned_rates(monkeypatch):
     from estimators.estimator import _estimate
-    monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: _PINNED_RATES)
+    monkeypatch.setattr(_estimate, "cpu_rates", lambda *args, **kwargs: PINNED_RATES)
 
 
 def mlp_task() -> Task:
@@ -113,7 +106,7 @@ def test_a_resumed_study_with_probes_traces_nothing_again(tmp_path, monkeypatch)
     # A new process resuming a study: a new task from the same file, so a new estimator
     # without traces. Its trials answer the predictions, and the probes' refit of the
     # unprobed ones comes from the predictions' stored parts, not from tracing them again.
-    from test_race import SLEEPY
+    from helpers.models import SLEEPY
 
     from estimators import load_task
     from estimators.estimator import _traces
@@ -128,7 +121,7 @@ def test_a_resumed_study_with_probes_traces_nothing_again(tmp_path, monkeypatch)
 
     def probe_once(task, config, budget):
         if config not in answers:
-            answers[config] = _measured_probe([], {})(task, config, budget)
+            answers[config] = measured_probe([], {})(task, config, budget)
         return answers[config]
     first = search(load_task(path), probe_fn=probe_once, **kwargs)
     traced: list[TrainConfig] = []
@@ -169,7 +162,7 @@ def test_probes_rank_measured_first_and_drop_ooms():
         calls.append(config)
         if len(calls) == 1:
             return ProbeResult(status="oom", estimate=None, message="guard", overhead_s=0.0, wall_s=0.0)
-        est = _probe_estimator(task).estimate(config)
+        est = probe_estimator(task).estimate(config)
         from dataclasses import replace
         return ProbeResult(status="ok", estimate=replace(est, method="measured"), message="", overhead_s=0.0, wall_s=0.0)
 
@@ -322,7 +315,7 @@ def test_equal_predictions_rank_the_simpler_config_and_are_probed_once():
 
         from estimators.probing._probe import ProbeResult
         probed.append(config)
-        est = _probe_estimator(task).estimate(config)
+        est = probe_estimator(task).estimate(config)
         return ProbeResult(status="ok", estimate=replace(est, method="measured"), message="", overhead_s=0.0, wall_s=0.0)
 
     plan = search(stack, vram="1GB", device="cpu", global_batch=8, trials=100, probe_top=2, probe_fn=fake_probe,
@@ -351,7 +344,7 @@ def test_probes_overturning_the_prediction_are_confirmed():
 
     def fake_probe(task, config: TrainConfig, budget: int):
         calls.append(config)
-        est = _probe_estimator(task).estimate(config)
+        est = probe_estimator(task).estimate(config)
         step = est.step_time_s
         if len(calls) == 2 and noisy_once["left"]:
             noisy_once["left"] = 0
@@ -381,7 +374,7 @@ def test_probes_overturning_the_prediction_are_confirmed():
 
     def consistent_probe(task, config: TrainConfig, budget: int):
         calls.append(config)
-        est = _probe_estimator(task).estimate(config)
+        est = probe_estimator(task).estimate(config)
         if len(calls) == 2:
             faster["config"] = config
         step = est.step_time_s / (3 if config == faster["config"] else 1)
@@ -412,7 +405,7 @@ def test_a_kept_prediction_ranks_only_against_its_rival():
 
     def fake_probe(task, config: TrainConfig, budget: int):
         calls.append(config)
-        est = _probe_estimator(task).estimate(config)
+        est = probe_estimator(task).estimate(config)
         base.setdefault("t", est.step_time_s)
         t = base["t"]
         order = list(dict.fromkeys(calls))
@@ -426,36 +419,6 @@ def test_a_kept_prediction_ranks_only_against_its_rival():
     assert any("the predicted order is kept" in n for n in plan.notes)
     ranked = [e.config for e in plan.entries if e.measured is not None]
     assert ranked == [third, predicted, rival]
-
-
-# The fake probes' estimators, one per task for the module: an estimate is a function of the task
-# and the configuration alone, and a fresh estimator for each probe traced the task and measured
-# its kernel workspaces again (two thirds of this module's time).
-_PROBE_ESTIMATORS: dict[int, tuple[Task, Any]] = {}
-
-
-def _probe_estimator(task: Task):
-    from estimators import Estimator
-
-    hit = _PROBE_ESTIMATORS.get(id(task))
-    if hit is None or hit[0] is not task:
-        hit = _PROBE_ESTIMATORS[id(task)] = (task, Estimator(task, device="cpu"))
-    return hit[1]
-
-
-def _measured_probe(calls: list[TrainConfig], speedup: dict[int, float]):
-    """A probe answering the estimate, the n-th call's step divided by ``speedup[n]``."""
-    from dataclasses import replace
-
-    from estimators.probing._probe import ProbeResult
-
-    def fake_probe(task, config: TrainConfig, budget: int):
-        calls.append(config)
-        est = _probe_estimator(task).estimate(config)
-        step = est.step_time_s / speedup.get(len(calls), 1.0)
-        measured = replace(est, method="measured", step_time_s=step, samples_per_s=config.global_batch / step)
-        return ProbeResult(status="ok", estimate=measured, message="", overhead_s=0.0, wall_s=0.0)
-    return fake_probe
 
 
 def _race_answering(races: list, step_times):
@@ -474,7 +437,7 @@ def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
     races: list = []
     kwargs = dict(vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"])
     # The rival faster in 3 of 4 rounds, by 25% on the median ratio.
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_answering(races, ((0.5, 0.5, 0.5, 0.3), (0.4, 0.4, 0.4, 0.4))))
     # The two differ in checkpoint segments only, and the fake race lets the second of any
     # pair win: the walk races one more segment against the winner, which wins too; lm() has
@@ -502,7 +465,7 @@ def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
     # The predicted best wins: it alone is probed, and nothing is walked.
     calls.clear()
     races.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_answering(races, ((0.4, 0.4, 0.4), (0.5, 0.5, 0.5))))
     assert len(races) == 1 and calls == [races[0][0]] and plan.best.config == races[0][0]
     assert any(f"the predicted best ({races[0][0].describe()}) was faster than {races[0][1].describe()} in 3 of 3 "
@@ -512,7 +475,7 @@ def test_the_two_best_are_raced_and_only_the_winner_is_probed_for_memory():
     # medians of the times alone would put the rival first.
     calls.clear()
     races.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_answering(races, ((0.5, 0.4, 0.4), (0.5, 0.397, 0.3))))
     assert plan.best.config == races[0][0] == calls[0]
     assert any(f"tied with {races[0][1].describe()}: the predicted order is kept" in n for n in plan.notes)
@@ -540,7 +503,7 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
     # the walk's loser is unmeasured, its race still refits the time model.
     calls: list[TrainConfig] = []
     races: list = []
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_sequence(races, [rival_wins, first_wins]))
     (first, second), (_, third) = races
     assert races[1][0] == second and third.checkpoint_segments == second.checkpoint_segments + 1
@@ -567,7 +530,7 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
     # A race won by under 5% is not followed.
     calls.clear()
     races.clear()
-    plan = search(lm(), **kwargs, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_sequence(races, [((0.412, 0.412, 0.412), (0.4, 0.4, 0.4))]))
     assert len(races) == 1 and plan.best.config == races[0][1] == calls[0]
     assert not any("one step further" in n for n in plan.notes)
@@ -575,7 +538,7 @@ def test_a_race_won_along_one_axis_is_followed_until_a_race_is_lost():
     # The walk's winner fails its memory probe: dropped, and the one it beat is probed.
     calls.clear()
     races.clear()
-    measured = _measured_probe(calls, {})
+    measured = measured_probe(calls, {})
 
     def probe_ooms_first(task, config, budget):
         result = measured(task, config, budget)
@@ -612,7 +575,7 @@ def test_after_a_race_memory_failures_and_a_larger_probe_top():
     # memory is not probed.
     calls: list[TrainConfig] = []
     races: list = []
-    plan = search(lm(), **kwargs, probe_top=3, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_top=3, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_sequence(races, [first_wins, first_wins]))
     (first, second), (again, third) = races
     assert again == first and third not in (first, second) and calls == [first]
@@ -625,7 +588,7 @@ def test_after_a_race_memory_failures_and_a_larger_probe_top():
     # taken from its time (first 1.25x slower, second 1.25x slower than first).
     calls.clear()
     races.clear()
-    plan = search(lm(), **kwargs, probe_top=3, probe_fn=_measured_probe(calls, {}),
+    plan = search(lm(), **kwargs, probe_top=3, probe_fn=measured_probe(calls, {}),
                   race_fn=_race_sequence(races, [first_wins, ((0.5, 0.5, 0.5), (0.4, 0.4, 0.4))]))
     (first, second), (_, third) = races
     assert calls == [first, third] and plan.best.config == third and plan.best.source == "measured"
@@ -638,7 +601,7 @@ def test_after_a_race_memory_failures_and_a_larger_probe_top():
     # Both raced configurations run out of memory: the next two are probed in full instead.
     calls.clear()
     races.clear()
-    measured = _measured_probe(calls, {})
+    measured = measured_probe(calls, {})
 
     def oom_twice(task, config, budget):
         result = measured(task, config, budget)
@@ -668,7 +631,7 @@ def test_a_failed_race_falls_back_to_probing():
     calls: list[TrainConfig] = []
     races: list = []
     plan = search(lm(), vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
-                  probe_fn=_measured_probe(calls, {2: 3.0}), race_fn=_race_answering(races, None))
+                  probe_fn=measured_probe(calls, {2: 3.0}), race_fn=_race_answering(races, None))
     first, second = races[0]
     assert len(races) == 1 and calls == [first, second, second, first]
     assert any("did not finish (error: the race process died by SIGSEGV); both are probed instead" in n
@@ -681,7 +644,7 @@ def test_a_failed_race_falls_back_to_probing():
 def test_search_races_for_real(tmp_path):
     # Real races of a model whose blocks sleep: more micro-batches or checkpointed blocks
     # sleep more, so the predicted best is also the truly fastest, and the race says so.
-    from test_race import SLEEPY
+    from helpers.models import SLEEPY
 
     from estimators import load_task
     from estimators.probing._probe import shutdown
@@ -697,7 +660,7 @@ def test_search_races_for_real(tmp_path):
         return race(t, pair, rounds=4, warmup=1)
     try:
         plan = search(task, vram="1GB", device="cpu", global_batch=8, trials=40, probe_top=2, precisions=["fp32"],
-                      probe_fn=_measured_probe(calls, {}), race_fn=real_race)
+                      probe_fn=measured_probe(calls, {}), race_fn=real_race)
     finally:
         shutdown()
     (first, second), = races

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from test_estimator import cnn_task, lm_task
+from helpers.models import cnn_task, lm_task
 
 from estimators import Task, TrainConfig
 from estimators._step_options import StepOptions

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_estimator import TinyLM, lm_task  # noqa: E402
+from helpers.models import TinyLM, lm_task
 
 from estimators import Estimator, Task, TrainConfig
 from estimators.timing import _cpu_rates

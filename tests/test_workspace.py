@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from test_estimator import lm_task, rel_error
+from helpers.models import lm_task, rel_error
 
 from estimators import Estimator, Task, TrainConfig
 from estimators.memory import _workspace
