@@ -11,7 +11,7 @@ Three parts:
   planned for (``benchmarks/models_large.py``), bf16-mixed against bf16-true, every block
   checkpointed, a micro-batch of one.
 * *Loss*: 100 AdamW steps (lr 3e-3, micro-batch 32) of an MLP with batch norm learning a
-  random linear teacher (the model of ``tests/test_bf16_true.py``) through the estimators'
+  random linear teacher (the model of ``tests/estimators/runtime/test_bf16_true.py``) through the estimators'
   own step loop (``PlannedSteps``): the first loss and the mean of the last 10.
 """
 

@@ -15,7 +15,7 @@ plus ``global_batch``, ``weight_decay`` and ``target``. :func:`check_settings` r
 ``None`` means "not set" (the default) for every checked key.
 
 This module is below memplan and does not import it: :data:`SETTINGS_KEYS` is a literal, which
-``tests/test_settings_check.py`` keeps equal to the options memplan has.
+``tests/estimators/task/test_settings_check.py`` keeps equal to the options memplan has.
 """
 
 from __future__ import annotations

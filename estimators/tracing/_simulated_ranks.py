@@ -8,7 +8,7 @@ Three pieces:
 * :class:`EmulatedDDP` — ``DistributedDataParallel``'s C++ reducer touches tensor data (bucket
   rebuilds, the comm hook) and cannot run on fake tensors, so its memory behaviour is
   reproduced here with the options ``_parallel.apply_ddp`` uses (checked against the real
-  thing under gloo by ``tests/test_distributed_estimate.py``):
+  thing under gloo by ``tests/estimators/estimator/test_distributed_estimate.py``):
 
   - at construction, one flat gradient bucket per dtype holds every trainable parameter's
     gradient (torch >= 2.x buckets everything together until the first backward has shown the

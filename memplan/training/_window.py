@@ -3,7 +3,7 @@ backward per micro-batch, clipping, the optimizer step, EMA, zero_grad: what the
 traced) with the trainer's decisions in its hooks.
 
 The hooks decide and never allocate on the device inside the step, so the trainer's step
-makes the allocations the trace recorded (``tests/test_step.py``): a window whose loss (all
+makes the allocations the trace recorded (``tests/estimators/runtime/test_step.py``): a window whose loss (all
 ranks' mean) or, without a GradScaler, whose gradient norm is not finite is skipped before
 anything is applied; the first steps of a run with OOM recovery keep an undo copy of the
 optimizer in host memory; the monitor takes its per-layer gradient norms when due.

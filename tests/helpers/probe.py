@@ -1,4 +1,4 @@
-"""The probe tests' helpers (tests/test_probe.py, tests/test_race.py): a 60 s bound per test,
+"""The probe tests' helpers (tests/estimators/probing/test_probe.py, tests/estimators/probing/test_race.py): a 60 s bound per test,
 one probe server per module, model files on disk, and the check that no probe child is left."""
 
 from __future__ import annotations

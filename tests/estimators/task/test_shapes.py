@@ -19,7 +19,7 @@ from estimators import ConfigError, Estimator, Task, TrainConfig, estimate, load
 from estimators.probing._measure import measure_cpu_peak, measure_epoch_peak
 from estimators.task import _shapes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / "benchmarks" / "models"
 
 

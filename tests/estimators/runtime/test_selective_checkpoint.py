@@ -20,7 +20,7 @@ from estimators.runtime._checkpoint import SAVED_OPS, apply_checkpointing, block
 from estimators.task._task import load_task
 from estimators.tracing._trace import trace_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 aten = torch.ops.aten
 
 

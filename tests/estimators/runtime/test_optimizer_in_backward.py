@@ -19,10 +19,9 @@ from estimators.runtime._optim_bwd import OptimizerInBackward
 from estimators.runtime._planned import PlannedSteps
 from estimators.task._task import load_task
 
-sys.path.insert(0, str(Path(__file__).parent))
 from helpers.models import TinyLM, lm_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NO_CLIP = StepOptions(clip="off")
 
 

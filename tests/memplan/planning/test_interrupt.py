@@ -89,7 +89,7 @@ def test_a_real_sigint_during_the_search_stops_the_command(write_model, tmp_path
         "sys.exit(main(sys.argv[1:]))\n"
     )
     out = tmp_path / "run"
-    env = {**os.environ, "MEMPLAN_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "MEMPLAN_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     proc = subprocess.Popen(
         [sys.executable, str(slow), "fit", path, "--vram", "1GB", "--global-batch", "16", "--probe-top", "0",
          "--compile-top", "0", "--out", str(out), "--no-progress"],

@@ -21,7 +21,7 @@ from estimators.task._settings import SETTINGS_KEYS, check_settings
 from memplan._option_sources import option_specs
 from memplan.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 MODEL = """
 import torch, torch.nn as nn

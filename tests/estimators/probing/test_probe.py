@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-# Shared with tests/test_race.py: a 60 s bound per test, one probe server for the module.
+# Shared with tests/estimators/probing/test_race.py: a 60 s bound per test, one probe server for the module.
 from helpers.probe import assert_no_probe_children, gone, probe_server, time_bound, write_model  # noqa: F401
 
 from estimators import ProbeError, Task, TrainConfig, load_task

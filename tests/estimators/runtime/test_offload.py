@@ -24,10 +24,9 @@ from estimators.task._task import load_task
 from estimators.timing._activation_offload_time import LINK_EFFICIENCY, host_link_bytes_per_s
 from estimators.tracing._recorder import Category
 
-sys.path.insert(0, str(Path(__file__).parent))
 from helpers.models import lm_task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def wide_task() -> Task:

@@ -45,7 +45,7 @@ def test_space_keeps_the_global_batch_fixed():
     assert all(c.global_batch == 24 for c in space)
     assert space.checkpoint_segments == (0, 1, 2)
     # The global batch is a training hyper-parameter: the space never searches it (search()
-    # fixes 32 when nobody gives one; tests/test_fit_defaults.py), only how it is reached.
+    # fixes 32 when nobody gives one; tests/memplan/test_fit_defaults.py), only how it is reached.
     from estimators import ConfigError
     with pytest.raises(ConfigError, match="--global-batch must be a whole number"):
         build_space(dataset_size=100, global_batch=None, precisions=("fp32",), max_segments=0)
