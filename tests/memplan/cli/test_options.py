@@ -311,10 +311,10 @@ def test_search_a_module_takes_a_loss_and_says_what_it_needs(tmp_path):
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
     plan = memplan.search(module, sample=(torch.randn(4, 4), torch.randn(4, 1)), loss=mse, vram="1GB",
-                          global_batch=4, probe_top=0, storage=f"sqlite:///{tmp_path / 's.db'}")
+                          global_batch=4, probe_top=0, trials=8, storage=f"sqlite:///{tmp_path / 's.db'}")
     assert calls and plan.config.global_batch == 4
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
-    plan = memplan.search(module, train_data=data, loss=mse, vram="1GB", global_batch=8, probe_top=0,
+    plan = memplan.search(module, train_data=data, loss=mse, vram="1GB", global_batch=8, probe_top=0, trials=8,
                           storage=f"sqlite:///{tmp_path / 's.db'}")
     assert plan.config.global_batch == 8
 
@@ -327,7 +327,7 @@ def test_two_modules_of_one_class_never_share_a_study(tmp_path):
     sample = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
     small = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     wide = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 3))
-    a = memplan.search(small, sample=sample, vram="1GB", global_batch=4, probe_top=0, storage=storage)
-    b = memplan.search(wide, sample=sample, vram="1GB", global_batch=4, probe_top=0, storage=storage)
+    a = memplan.search(small, sample=sample, vram="1GB", global_batch=4, probe_top=0, trials=8, storage=storage)
+    b = memplan.search(wide, sample=sample, vram="1GB", global_batch=4, probe_top=0, trials=8, storage=storage)
     assert len(optuna.get_all_study_names(storage)) == 2
     assert b.best.predicted.params > a.best.predicted.params
