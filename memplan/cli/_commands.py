@@ -260,13 +260,19 @@ class FitCommand:
         spec = launch_spec(args, nproc if nproc is not None else gpus)
         task = resolve_task(args.model)
         options = _train_options(args, "cpu", task)  # checked before a search that may take minutes
-        if args.resume and resumed_plan(args.out) is not None:
-            _unused_on_resume(args)
-            print(f"resuming the plan in {args.out}/plan.json (no search)")
+        resuming = args.resume and resumed_plan(args.out) is not None
+
+        def show(plan: Plan) -> None:
+            # Called once fit holds the folder and has the plan (read back, or searched).
+            if resuming:
+                _unused_on_resume(args)
+                print(f"resuming the plan in {args.out}/plan.json (no search)")
+            print(plan.table())
+
         _plan, result = fit(
             task, **search_kwargs(args), options=options,
             lr="auto" if _lr_auto(args, task) else None, compile=_compile_said(args, task), launch=spec,
-            progress=not args.no_progress, on_plan=lambda plan: print(plan.table()),
+            progress=not args.no_progress, on_plan=show,
         )
         _print_result(result)
         return 0
