@@ -394,7 +394,11 @@ class Plan:
             raise ConfigError(f"plan file {str(path)!r} lacks {exc}; re-create it with memplan plan --out") from None
         except (TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigError):
-                raise ConfigError(f"plan file {str(path)!r}: {exc}") from None
+                # The fix names this plan's own model file and path where the plan knows them.
+                made_from = (data.get("provenance") or {}).get("model_file") if isinstance(data, dict) else None
+                model = Path(made_from).name if isinstance(made_from, str) and made_from else "MODEL.py"
+                text = str(exc).replace("MODEL.py --out plan.json", f"{model} --out {path}")
+                raise ConfigError(f"plan file {str(path)!r}: {text}") from None
             raise ConfigError(
                 f"plan file {str(path)!r} is not a memplan plan ({type(exc).__name__}: {exc}); "
                 "re-create it with memplan plan --out"

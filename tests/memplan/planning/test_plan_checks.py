@@ -117,7 +117,8 @@ def test_other_contradictions_are_refused_in_one_line(planned, tmp_path, edit, e
         Plan.load(_edited(planned, tmp_path, edit))
     message = str(info.value)
     assert expected in message and "\n" not in message and "edited.json" in message
-    assert "re-create it with memplan plan MODEL.py --out plan.json" in message
+    # The fix names the plan's own model file and the plan file's path.
+    assert f"re-create it with memplan plan digits.py --out {tmp_path / 'edited.json'}" in message
     if expected == "needs":
         assert "more than the plan's budget of 1.00 kB" in message
 
