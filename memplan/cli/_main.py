@@ -127,7 +127,7 @@ def _torch_version() -> str:
 
 def _apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """The config file's search keys fill the flags not written out; its training options
-    are kept for ``_train_options`` in ``_cli_commands`` (below the flags, above the model file's settings)."""
+    are kept for ``_train_options`` in ``_commands`` (below the flags, above the model file's settings)."""
     from .._option_sources import SEARCH_KEYS, explicit_dests, read_config
 
     config = read_config(args.config)
