@@ -35,6 +35,7 @@ from .runtime._ema import EMA
 from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
 from .runtime._precision import (
+    StepPrecision,
     backward,
     convert_input,
     forward_context,
@@ -64,6 +65,7 @@ __all__ = [
     "train_step", "make_optimizer", "to_device", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
     "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "EMA",
     "backward", "convert_input", "forward_context", "make_grad_scaler", "optimizer_step", "weight_dtype",
+    "StepPrecision",
     "fsdp_units",
     "MemoryGuard", "is_oom_error",
 ]

@@ -20,13 +20,19 @@ Neither needs a GradScaler: bf16 has fp32's exponent range; for ``fp16-true`` to
 unscaled values would overflow in fp16 anyway) and Lightning's ``16-true`` runs without one.
 ``fp16-true`` is therefore fragile (gradients below 6e-8 vanish, Adam's default ``eps=1e-8``
 rounds to 0 in fp16) and is never searched unless asked for.
+
+:class:`StepPrecision` is a precision chosen once, as Lightning Fabric's precision plugin is:
+built from the name, the device type, whether FSDP shards the scaler and the scaler's
+settings, it holds the GradScaler and does what the step asks of the precision (the forward's
+context, the batch's conversion, the backward, the unscale before clipping, the optimizer
+step), so that the trace, the probes and the trainer hand the step one object.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.nn as nn
@@ -46,6 +52,7 @@ __all__ = [
     "ScalerSettings",
     "backward",
     "optimizer_step",
+    "StepPrecision",
 ]
 
 
@@ -233,3 +240,61 @@ def _update_scaler_for_trace(scaler: torch.amp.GradScaler, optimizer: torch.opti
         scaler._growth_interval,
     )
     scaler._per_optimizer_states.clear()
+
+
+class StepPrecision:
+    """One precision, chosen once: ``name`` (a ``TrainConfig.precision``) on ``device_type``, and
+    its ``scaler`` (fp16-mixed's GradScaler, FSDP2's sharded one when ``sharded``; None otherwise),
+    made with ``scaler_settings`` (torch's defaults for those left out).
+
+    Its methods are the step's uses of the precision; each runs the module's function of the
+    same name with this precision's name and scaler (no work of its own, so a step through the
+    object runs the ops a step through the functions ran).
+
+    Example:
+        >>> p = StepPrecision("fp16-mixed", "cpu", scaler_settings={"init_scale": 8.0})
+        >>> p.scaler.get_scale(), StepPrecision("bf16-true", "cpu").weight_dtype
+        (8.0, torch.bfloat16)
+    """
+
+    def __init__(self, name: Precision | str, device_type: str, *, sharded: bool = False,
+                 scaler_settings: ScalerSettings | None = None) -> None:
+        self.device_type, self.sharded = device_type, sharded
+        self.scaler_settings: ScalerSettings = scaler_settings.copy() if scaler_settings else {}
+        self.name: str = name
+        self.weight_dtype: torch.dtype | None = weight_dtype(name)
+        """The true low precision's weight dtype (the batch is converted to it), or None."""
+        self.scaler: torch.amp.GradScaler | None = make_grad_scaler(
+            name, device_type, sharded=sharded, **self.scaler_settings
+        )
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        """Around the forward pass and the loss: :func:`forward_context`."""
+        return forward_context(self.name, self.device_type)
+
+    def convert_input(self, batch: Batch) -> Batch:
+        """bf16-true/fp16-true: the batch's floating-point tensors in the weights' dtype
+        (:func:`convert_input`); else ``batch`` itself."""
+        return convert_input(batch, self.name)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the loss, scaled under fp16-mixed (:func:`backward`)."""
+        backward(loss, self.scaler)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping: the true gradients, not the scaled ones (a no-op without a scaler)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, tracing: bool = False) -> bool:
+        """One optimizer step; False when the scaler skipped it (:func:`optimizer_step`)."""
+        return optimizer_step(optimizer, self.scaler, tracing=tracing)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The scaler's state (None without a scaler): a checkpoint's ``scaler`` entry."""
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore the scaler's state (nothing to restore without a scaler or a state)."""
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)

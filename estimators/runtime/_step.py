@@ -27,11 +27,11 @@ from .._config import TrainConfig
 from .._step_options import StepOptions
 from .._types import Batch
 from ..task._task import Task, default_logits_and_targets
-from . import _activation_offload, _parallel, _precision
+from . import _activation_offload, _parallel
 from ._clip import clip_gradients
 from ._ema import EMA
 from ._optim_bwd import OptimizerInBackward, check_compatible
-from ._precision import ScalerSettings
+from ._precision import ScalerSettings, StepPrecision
 
 __all__ = [
     "make_optimizer",
@@ -98,11 +98,10 @@ class StepParts:
     wrapped: nn.Module
     """The strategy's wrapper (DDP) or the sharded module (FSDP2): gradient sync goes through it."""
     optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    """fp16-mixed's loss scaler (FSDP2's sharded one under ``fsdp``); None otherwise."""
     ema: EMA | None
     loss_fn: LossFn
-    precision: str
+    precision: StepPrecision
+    """The precision, chosen once, with fp16-mixed's loss scaler (FSDP2's sharded one under ``fsdp``)."""
     device: torch.device
     options: StepOptions
     offload_activations: bool = False
@@ -132,15 +131,14 @@ def make_step_parts(
     scaler_kwargs: ScalerSettings | None = None,
     foreach: bool = False,
 ) -> StepParts:
-    """The optimizer, scaler, EMA and loss a step of ``config`` runs with, for a built model.
+    """The optimizer, precision (with its scaler), EMA and loss a step of ``config`` runs with, for a built model.
 
     ``foreach`` makes optimizers left to their default run the multi-tensor implementation, as
     PyTorch's optimizers do on CUDA (a trace for a CUDA target runs on CPU tensors).
     """
     optimizer = make_optimizer(task, config, model, options, foreach=foreach)
-    scaler = _precision.make_grad_scaler(
-        config.precision, device.type, sharded=config.strategy == "fsdp", **(scaler_kwargs or {})
-    )
+    precision = StepPrecision(config.precision, device.type, sharded=config.strategy == "fsdp",
+                              scaler_settings=scaler_kwargs)
     ema = None
     if options.ema_decay is not None:
         ema = EMA(model, options.ema_decay)
@@ -149,10 +147,9 @@ def make_step_parts(
         forward_model=forward_model if forward_model is not None else wrapped,
         wrapped=wrapped,
         optimizer=optimizer,
-        scaler=scaler,
         ema=ema,
         loss_fn=training_loss(task, options.label_smoothing),
-        precision=config.precision,
+        precision=precision,
         device=device,
         options=options,
         offload_activations=config.offload_activations,
@@ -225,13 +222,12 @@ def train_step(
         return _skipped(parts, hooks, step, loss_sum, None)
     grad_norm = None
     if parts.options.clip != "off":
-        if parts.scaler is not None:
-            parts.scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
+        parts.precision.unscale(parts.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = clip_gradients(parts.model, parts.options.clip, parts.options.clip_threshold)
     if not hooks.gradients_ready(grad_norm):
         return _skipped(parts, hooks, step, loss_sum, grad_norm)
-    applied = _precision.optimizer_step(parts.optimizer, parts.scaler, tracing=tracing)
-    hooks.after_optimizer(parts.optimizer, parts.scaler)
+    applied = parts.precision.optimizer_step(parts.optimizer, tracing=tracing)
+    hooks.after_optimizer(parts.optimizer, parts.precision.scaler)
     if applied and parts.ema is not None:
         parts.ema.update(parts.model)
     hooks.phase(f"step {step} zero_grad", "zero_grad")
@@ -254,9 +250,9 @@ def _forward_backward(
         batch = to_device(batch, parts.device)
         hooks.making_batch(False)
         hooks.batch(batch)
-        if _precision.weight_dtype(parts.precision) is not None:
+        if parts.precision.weight_dtype is not None:
             # bf16-true: the float inputs in bf16 (no second name: the fp32 batch dies here).
-            batch = _precision.convert_input(batch, parts.precision)
+            batch = parts.precision.convert_input(batch)
             hooks.batch(batch)
         if loss_sum is None:
             # The window's loss, summed in place from the first forward on: a later micro-batch
@@ -267,7 +263,7 @@ def _forward_backward(
         # reduce-scatters every micro-batch (its gradients stay sharded); _parallel decides.
         with _parallel.gradient_sync(parts.wrapped, k == last):
             with (
-                _precision.forward_context(parts.precision, parts.device.type),
+                parts.precision.forward_context(),
                 _activation_offload.offloading(parts.offload_activations, parts.device, hooks, parts.model, batch),
             ):
                 # Also by 1.0: every step runs the same ops whatever its accumulation, so that
@@ -275,7 +271,7 @@ def _forward_backward(
                 loss = parts.loss_fn(parts.forward_model, batch) * weight
             hooks.after_forward()
             hooks.phase(f"{tag} backward", "backward")
-            _precision.backward(loss, parts.scaler)
+            parts.precision.backward(loss)
         loss_sum.add_(loss.detach())
         del batch, loss  # free the batch and the graph now, as the estimate assumes
         hooks.after_backward(parts.model)

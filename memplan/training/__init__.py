@@ -9,7 +9,7 @@ made with what it uses; the progress they share is the :class:`TrainState`, pass
 ``_state``          :class:`TrainState`, the progress saved in checkpoints; :class:`TrainResult`.
 ``_data``           the data order (a pure function of seed and epoch); ``TrainData``: loaders, windows (*part*).
 ``_window``         THE STEP: ``WindowStep``, one window's forward/backward, clipping, optimizer step (*part*).
-``_precision``      ``TrainPrecision``: the precision's name and its GradScaler (*part*).
+``_precision``      ``TrainPrecision``: the step's ``StepPrecision`` (name and GradScaler) that a rung switch replaces (*part*).
 ``_schedules``      the learning-rate schedules: the interface, the built-in shapes, ``make_schedule``.
 ``_evaluation``     ``Evaluator``: validation metrics, best weights, early stopping, the written weights (*part*).
 ``_checkpoints``    ``CheckpointManager``: what ``checkpoint.pt`` holds; save, load, restore (*part*).

@@ -1,58 +1,38 @@
-"""The run's precision as one object: its name and, under ``fp16-mixed``, its ``GradScaler``.
+"""The run's precision as one object: the step's :class:`estimators.StepPrecision` (its name
+and, under ``fp16-mixed``, its ``GradScaler``), which OOM recovery may switch to a rung's.
 
 Chosen once by the trainer and handed to the parts that need it (the step, the checkpoints,
-the evaluation); OOM recovery may switch it to a rung's precision. How a precision runs -- the
-forward's autocast or default dtype, the scaled backward, the scaler's optimizer step -- stays
-in the shared step (``estimators.train_step``, which takes the name and the scaler), so that
+the evaluation). How a precision runs -- the forward's autocast or default dtype, the scaled
+backward, the scaler's optimizer step -- is the shared step's precision object itself, so that
 the trainer's step is the step the estimator traces, byte for byte.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from estimators import convert_input, forward_context, make_grad_scaler
+from estimators import StepPrecision
+from estimators.runtime._precision import ScalerSettings
 
 __all__: list[str] = []
 
-Batch = Any
 
-
-class TrainPrecision:
-    """``name`` (a ``TrainConfig.precision``) and ``scaler`` (None but under ``fp16-mixed``)."""
+class TrainPrecision(StepPrecision):
+    """The step's precision on ``device`` that a rung switch can replace: ``name`` (a
+    ``TrainConfig.precision``) and ``scaler`` (None but under ``fp16-mixed``)."""
 
     def __init__(self, name: str, device: torch.device, *, sharded: bool, scaler_kwargs: dict[str, Any]) -> None:
-        self.device, self.sharded, self.scaler_kwargs = device, sharded, scaler_kwargs
-        self.name = name
-        self.scaler = self._make_scaler(name)
-
-    def _make_scaler(self, name: str) -> torch.amp.GradScaler | None:
-        return make_grad_scaler(name, self.device.type, sharded=self.sharded, **self.scaler_kwargs)
+        super().__init__(name, device.type, sharded=sharded, scaler_settings=cast(ScalerSettings, scaler_kwargs))
+        self.device = device
 
     def switch(self, name: str) -> None:
         """Another precision (an OOM recovery's rung). fp16 needs a GradScaler (a fresh one
         calibrates its scale in a few steps); bf16 and fp32 need none."""
         if name != self.name:
-            self.name, self.scaler = name, self._make_scaler(name)
-
-    def forward_context(self) -> AbstractContextManager[None]:
-        """Around a forward pass outside the step (evaluation), as the step runs its own."""
-        return forward_context(self.name, self.device.type)
-
-    def convert_input(self, batch: Batch) -> Batch:
-        """bf16-true/fp16-true: the batch's floating-point tensors in the weights' dtype."""
-        return convert_input(batch, self.name)
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """The scaler's state (None without a scaler): the checkpoint's ``scaler`` entry."""
-        return self.scaler.state_dict() if self.scaler is not None else None
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if self.scaler is not None and state is not None:
-            self.scaler.load_state_dict(state)
+            StepPrecision.__init__(self, name, self.device_type, sharded=self.sharded,
+                                   scaler_settings=self.scaler_settings)
 
     @property
     def nonfinite_advice(self) -> str:

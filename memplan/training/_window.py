@@ -144,8 +144,8 @@ class WindowStep:
 
     def _parts(self, config: TrainConfig) -> StepParts:
         return StepParts(model=self.model, forward_model=self.forward_model, wrapped=self.wrapped,
-                         optimizer=self.optimizer, scaler=self.precision.scaler, ema=self.ema, loss_fn=self.loss_fn,
-                         precision=self.precision.name, device=self.device, options=self.options.step_options(),
+                         optimizer=self.optimizer, ema=self.ema, loss_fn=self.loss_fn,
+                         precision=self.precision, device=self.device, options=self.options.step_options(),
                          offload_activations=config.offload_activations)
 
     def run(self, window: _Window, batches: Iterator[Batch], config: TrainConfig, *, step: int) -> _WindowOutcome:

@@ -60,6 +60,13 @@ def test_no_autocast_no_scaler_and_low_precision_default_dtype(precision, dtype)
     cx, cy = _precision.convert_input((x, y), precision)
     assert cx.dtype is dtype and cy.dtype is torch.long
     assert _precision.convert_input((x, y), "bf16-mixed")[0] is x
+    # The step's precision object does the same, chosen once.
+    p = _precision.StepPrecision(precision, "cpu")
+    assert p.scaler is None and p.weight_dtype is dtype and p.state_dict() is None
+    with p.forward_context():
+        assert not torch.is_autocast_enabled("cpu") and torch.zeros(1).dtype is dtype
+    assert p.convert_input((x, y))[0].dtype is dtype
+    assert _precision.StepPrecision("bf16-mixed", "cpu").convert_input((x, y))[0] is x
 
 
 def test_build_casts_weights_and_buffers_but_not_batch_norm_and_keeps_ties():
