@@ -24,7 +24,7 @@ from .planning import Plan, check_plan_model, resolve_task, search
 from .training import LaunchSpec, TrainOptions, TrainResult, launch_training, train
 from .training._out_dir import check_out_dir, claim_out_dir
 
-__all__ = ["fit", "train_plan", "compile_said", "wants_auto_lr", "options_for_plan", "run_folder"]
+__all__ = ["fit", "train_plan", "compile_said", "wants_auto_lr", "options_for_plan", "check_plan_device", "run_folder"]
 
 
 def compile_said(*levels: Any) -> bool | None:
@@ -168,14 +168,11 @@ def fit(
     opts = replace(opts, seed=seed, compile=bool(said))
     if progress is not None:
         opts = replace(opts, progress=progress)
-    with run_folder(opts.out_dir, resume=opts.resume, overwrite=opts.overwrite, searches=True,
-                    python=on_plan is None, holder=launch is None or launch.node_rank == 0):
+    with run_folder(opts.out_dir, resume=opts.resume, overwrite=opts.overwrite, searches=True, launch=launch):
         task = task.with_step(opts.step_options())  # the step the trainer will run is the one estimated
         plan = resumed_plan(opts.out_dir) if opts.resume else None
         if plan is not None:
-            if device is not None and device != plan.device.split(":")[0]:
-                raise ConfigError(f"the plan in {opts.out_dir}/plan.json was made for {plan.device}, not device "
-                                  f"{device}; resume on {plan.device.split(':')[0]}, or plan anew (--overwrite)")
+            check_plan_device(plan, device)
         else:
             plan = search(
                 task, vram=vram, global_batch=global_batch, device=device, gpu=gpu, trials=trials,
@@ -242,20 +239,29 @@ _FIXED = ("out_dir", "resume", "overwrite", "progress")
 """``fit()`` keywords that are ``TrainOptions`` fields but not options of a config file."""
 
 
+def check_plan_device(plan: Plan, device: str | None) -> None:
+    """A plan made for one device type is trained on that type (``device`` None: the plan's)."""
+    if device is not None and device != plan.device.split(":")[0]:
+        raise ConfigError(
+            f"the plan was made for {plan.device}, not --device {device}; plan again with "
+            f"memplan plan MODEL.py --device {device}"
+        )
+
+
 @contextlib.contextmanager
 def run_folder(out_dir: str | os.PathLike[str], *, resume: bool, overwrite: bool, searches: bool,
-               python: bool = False, holder: bool = True) -> Iterator[None]:
+               launch: LaunchSpec | None = None) -> Iterator[None]:
     """Hold the run's folder for a command (its search too) and check it first: a fresh run
     refuses another run's results unless ``overwrite`` (which deletes them), and ``resume``
     needs something to resume (``searches``: the command writes its own ``plan.json``, which
-    then is a result too, and resumable). ``python``: messages name ``resume=True``, not ``--resume``.
-    ``holder``: False on the machines of a multi-machine run without rank 0, which leave the
-    (possibly shared) folder to that one's."""
-    if not holder:
+    then is a result too, and resumable). The machines of a multi-machine ``launch`` without
+    rank 0 leave the (possibly shared) folder to that one's. The messages name the switches as
+    the command line and Python spell them: both reach this."""
+    if launch is not None and launch.node_rank != 0:
         yield
         return
-    flags = ("resume=True", "overwrite=True") if python else ("--resume", "--overwrite")
-    with claim_out_dir(out_dir, "out_dir" if python else "--out"):
+    flags = ("--resume (resume=True)", "--overwrite (overwrite=True)")
+    with claim_out_dir(out_dir, "the output folder"):
         removed = check_out_dir(out_dir, resume=resume, overwrite=overwrite, plan=searches, flags=flags)
         if removed:
             logging.getLogger("memplan").warning("%s: deleted the earlier run's %s", out_dir, ", ".join(removed))

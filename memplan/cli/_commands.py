@@ -193,16 +193,6 @@ def _compile_said(args: argparse.Namespace, task: Task) -> bool | None:
     )
 
 
-def _check_device(args: argparse.Namespace, plan: Plan) -> None:
-    from estimators import ConfigError
-
-    if args.device is not None and args.device != plan.device.split(":")[0]:
-        raise ConfigError(
-            f"the plan was made for {plan.device}, not --device {args.device}; plan again with "
-            f"memplan plan MODEL.py --device {args.device}"
-        )
-
-
 def _print_result(result: TrainResult | None) -> None:
     if result is None:  # a machine without rank 0
         print("done: this machine's ranks finished; the machine of rank 0 writes the results")
@@ -293,16 +283,15 @@ class TrainCommand:
         add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from .._fit import options_for_plan, run_folder, train_plan
+        from .._fit import check_plan_device, options_for_plan, run_folder, train_plan
         from ..planning import Plan
 
         task = load_task(args.model)
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
-        _check_device(args, plan)
+        check_plan_device(plan, args.device)
         spec = launch_spec(args)
-        with run_folder(args.out, resume=args.resume, overwrite=args.overwrite, searches=False,
-                        holder=spec is None or spec.node_rank == 0):
+        with run_folder(args.out, resume=args.resume, overwrite=args.overwrite, searches=False, launch=spec):
             result = train_plan(
                 task,
                 plan,

@@ -43,7 +43,7 @@ from typing import Any, Literal
 from estimators import ConfigError, TrainConfig, TrainingError, format_size
 
 from ._options import TrainOptions
-from ._out_dir import HELD_ENV, check_out_dir, claim_out_dir
+from ._out_dir import HELD_ENV, run_holds
 from ._rank import _clear_failures, _failure_message, _rank_main, _RankJob
 from ._recovery import OOMRecord, RecoveryEvent, ladder_configs, ladder_peaks, pick_rung
 from ._state import TrainResult
@@ -136,9 +136,7 @@ def launch_training(
     out_dir = Path(options.out_dir)
     # The machine of rank 0 holds the folder for every attempt; its ranks find the claim in
     # their environment (HELD_ENV) and leave the folder to it.
-    with claim_out_dir(out_dir, "out_dir") if spec.node_rank == 0 else contextlib.nullcontext():
-        if spec.node_rank == 0 and not options.resume:
-            check_out_dir(out_dir, resume=False, overwrite=options.overwrite, flags=("resume=True", "overwrite=True"))
+    with run_holds(out_dir, options, holder=spec.node_rank == 0):
         return _launch_attempts(model_path, config, options, spec, budget_bytes, ladder)
 
 

@@ -29,8 +29,9 @@ from typing import IO
 from estimators import ConfigError
 
 from ._checkpoint_io import SHARDED_DIR
+from ._options import TrainOptions
 
-__all__ = ["HELD_ENV", "claim_out_dir", "check_out_dir", "run_results", "remove_results"]
+__all__ = ["HELD_ENV", "claim_out_dir", "check_out_dir", "run_holds", "run_results", "remove_results"]
 
 LOCK_NAME = ".memplan.lock"
 HELD_ENV = "MEMPLAN_OUT_DIR_HELD"
@@ -101,7 +102,7 @@ def check_out_dir(out_dir: str | os.PathLike[str], *, resume: bool, overwrite: b
 
 
 @contextlib.contextmanager
-def claim_out_dir(out_dir: str | os.PathLike[str], what: str = "--out") -> Iterator[None]:
+def claim_out_dir(out_dir: str | os.PathLike[str], what: str = "the output folder") -> Iterator[None]:
     """Hold ``out_dir`` for the block: another process claiming it meanwhile gets a one-line
     :class:`ConfigError` naming the holder. Re-entrant within a process."""
     key = _key(Path(out_dir))
@@ -125,6 +126,20 @@ def claim_out_dir(out_dir: str | os.PathLike[str], what: str = "--out") -> Itera
         _HELD.pop(key, None)
         if handle is not None:
             handle.close()  # closing the file lets go of the lock
+
+
+@contextlib.contextmanager
+def run_holds(out_dir: str | os.PathLike[str], options: TrainOptions, *, holder: bool) -> Iterator[None]:
+    """A run's hold on its folder (the trainer's rank 0, a launcher; ``holder`` False for the
+    others): claimed, and -- unless it resumes, which a relaunch after an OOM does from whatever
+    is there -- another run's results refused, or deleted with ``options.overwrite``."""
+    if not holder:
+        yield
+        return
+    with claim_out_dir(out_dir, "out_dir"):
+        if not options.resume:
+            check_out_dir(out_dir, resume=False, overwrite=options.overwrite, flags=("resume=True", "overwrite=True"))
+        yield
 
 
 def _lock(key: Path, what: str) -> IO[str] | None:

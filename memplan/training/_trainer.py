@@ -54,7 +54,7 @@ from ._metrics import Metrics, _write_json_atomic, run_summary
 from ._monitor import TrainingMonitor
 from ._oom import InProcessRecovery
 from ._options import TrainOptions
-from ._out_dir import check_out_dir, claim_out_dir
+from ._out_dir import run_holds
 from ._precision import TrainPrecision
 from ._recovery import Ladder
 from ._schedules import ExternalSchedule, LRSchedule, make_schedule
@@ -131,11 +131,7 @@ class Trainer:
     def run(self) -> TrainResult:
         # Rank 0 holds the folder for the run (a launch's ranks leave it to their launcher):
         # two runs writing into one folder would interleave their logs and weights.
-        is_main = self.ranks.is_main
-        with claim_out_dir(self.out_dir, "out_dir") if is_main else contextlib.nullcontext():
-            if is_main and not self.options.resume:
-                check_out_dir(self.out_dir, resume=False, overwrite=self.options.overwrite,
-                              flags=("resume=True", "overwrite=True"))
+        with run_holds(self.out_dir, self.options, holder=self.ranks.is_main):
             try:
                 return self._run()
             except OSError as exc:
