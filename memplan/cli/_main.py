@@ -8,7 +8,6 @@ in ``_commands``, their shared arguments in ``_args``); ``main(argv) -> int``. E
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -153,11 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"memplan: {exc}\n".replace("\n", " ").rstrip() + "\n")
         return 2
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        # A full disk met outside the trainer (a plan, a report): one line, as the trainer's.
+        from ..training._checkpoint_io import out_of_space
+
+        full = out_of_space(exc, exc.filename)
+        if full is None:
             raise
-        # A full disk met outside the trainer (a plan, a report): one line, not a traceback.
-        sys.stderr.write(f"memplan: could not write {exc.filename or 'a file'}: {exc.strerror}; free some "
-                         "space and run the command again (fit/train: with --resume)\n")
+        sys.stderr.write(f"memplan: {full}\n")
         return 2
     except KeyboardInterrupt as exc:
         # A search says what it kept and how to go on (SearchInterrupted); a bare Ctrl-C elsewhere

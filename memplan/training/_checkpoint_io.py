@@ -65,17 +65,18 @@ class OutOfSpaceError(TrainingError):
     """A file of the run could not be written: its disk (or quota) is full."""
 
 
-def out_of_space(exc: BaseException, path: str | os.PathLike[str]) -> OutOfSpaceError | None:
-    """The one-line error for a write of ``path`` that failed for lack of space (a full disk,
-    a used-up quota, the process's file-size limit), or None when ``exc`` is another failure.
-    torch's own writer reports a full disk as a ``RuntimeError`` ("file write failed") without
-    the OS's error number; the free space then tells."""
-    target = Path(path)
+def out_of_space(exc: BaseException, path: str | os.PathLike[str] | None) -> OutOfSpaceError | None:
+    """The one-line error for a write of ``path`` (None: a file the error does not name) that
+    failed for lack of space (a full disk, a used-up quota, the process's file-size limit), or
+    None when ``exc`` is another failure. torch's own writer reports a full disk as a
+    ``RuntimeError`` ("file write failed") without the OS's error number; the free space then tells."""
+    target = Path(path) if path is not None else None
+    folder = target.parent if target is not None else Path.cwd()
     code = exc.errno if isinstance(exc, OSError) else None
-    if isinstance(exc, RuntimeError) and "write failed" in str(exc) and _free_bytes(target.parent) < _NEARLY_FULL:
+    if isinstance(exc, RuntimeError) and "write failed" in str(exc) and 0 <= _free_bytes(folder) < _NEARLY_FULL:
         code = errno.ENOSPC
     if code == errno.ENOSPC:
-        free = _free_bytes(target.parent)
+        free = _free_bytes(folder) if target is not None else -1
         why = "no space left on its disk" + (f" ({format_size(free)} free)" if free >= 0 else "")
         fix = "free some space (or write into a folder on another disk)"
     elif code == errno.EDQUOT:
@@ -84,7 +85,7 @@ def out_of_space(exc: BaseException, path: str | os.PathLike[str]) -> OutOfSpace
         why, fix = "it would be larger than this process may write (ulimit -f)", "raise the limit"
     else:
         return None
-    return OutOfSpaceError(f"could not write {target}: {why}; {fix} and continue with --resume: "
+    return OutOfSpaceError(f"could not write {target if target is not None else 'a file'}: {why}; {fix} and continue with --resume: "
                            "the checkpoints already written are whole")
 
 
