@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, Subset
 
-from estimators import Task, load_task
+from estimators import Task, load_task, to_device
 
 from ..planning._space import DEFAULT_GLOBAL_BATCH
 from ._problems import DoctorReport, Finding, Severity
@@ -56,11 +56,7 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def _to(batch: Any, device: str) -> Any:
-    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
-
-
-def _fresh_model(task: Task, device: str, seed: int) -> nn.Module:
-    return fresh_model(task, device, seed)  # as the trainer builds it; a prebuilt module is copied
+    return to_device(batch, torch.device(device))  # as the trainer moves a batch
 
 
 def check_init(model: nn.Module, out: list[Finding], stats: dict[str, Any]) -> None:
@@ -357,7 +353,7 @@ def check_signal(task: Task, device: str, seed: int, steps: int, out: list[Findi
         return
     train_n, batch = n - held, 32
     held_batch = _to(task.real_batch(held, offset=train_n), device)
-    model = _fresh_model(task, device, seed + 1)
+    model = fresh_model(task, device, seed + 1)
 
     def held_loss() -> float:
         model.eval()
@@ -458,7 +454,7 @@ def doctor(
     task = load_task(model) if isinstance(model, str) else model
     out: list[Finding] = []
     stats: dict[str, Any] = {}
-    net = _fresh_model(task, device, seed)
+    net = fresh_model(task, device, seed)
     # A few items, as the recipe goes: any working model memorises them in a hundred steps.
     batch = _to(task.real_batch(min(4, task.dataset_size() or 4)), device)
     if "init" in checks:
@@ -484,5 +480,5 @@ def doctor(
     if "signal" in checks:
         check_signal(task, device, seed, signal_steps, out, stats)
     if "loader" in checks and task.dataset() is not None:
-        check_loader(task, _fresh_model(task, device, seed), device, out, stats)
+        check_loader(task, fresh_model(task, device, seed), device, out, stats)
     return DoctorReport(task.name, tuple(out), stats)

@@ -22,9 +22,8 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 
-from estimators import ConfigError, Task, TrainConfig, load_task, normalize_precision, parse_count
+from estimators import ConfigError, Task, TrainConfig, load_task, normalize_precision, parse_count, to_device
 
 from ..planning._space import DEFAULT_GLOBAL_BATCH
 from ._steps import PlainSteps, fresh_model
@@ -105,7 +104,7 @@ def lr_find(model: Task | str, *, batch_size: int | None = None, precision: str 
         _set_lr(steps_of.optimizer, lr)
         items = [data[order[(step * b + i) % n]] for i in range(b)] if data is not None else None
         batch = task.collate(items) if items is not None else task.real_batch(b, offset=step * b)
-        batch = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+        batch = to_device(batch, torch.device(device))  # as the trainer moves a batch
         value = steps_of.step(batch)  # the trainer's step; a NaN/inf loss leaves the weights
         if not math.isfinite(value):
             diverged = True
