@@ -42,8 +42,8 @@ RESULT_NAMES = ("checkpoint.pt", "checkpoint.previous.pt", "model.pt", "best_mod
 """What a run leaves in its folder that a fresh run would overwrite (``plan.json`` is the
 plan's, see :func:`run_results`)."""
 
-_HELD: dict[Path, tuple[int, IO[str] | None]] = {}
-"""The folders this process holds: claims counted, and the open lock file."""
+_HELD: dict[Path, IO[str] | None] = {}
+"""The folders this process holds, each with its open lock file (the outermost claim's)."""
 
 
 def _key(out_dir: Path) -> Path:
@@ -109,17 +109,11 @@ def claim_out_dir(out_dir: str | os.PathLike[str], what: str = "the output folde
     if os.environ.get(HELD_ENV) == str(key):
         yield  # a rank of a launch: the launcher holds the folder for every rank
         return
-    held = _HELD.get(key)
-    if held is not None:
-        _HELD[key] = (held[0] + 1, held[1])
-        try:
-            yield
-        finally:
-            count, handle = _HELD[key]
-            _HELD[key] = (count - 1, handle)
+    if key in _HELD:
+        yield  # held by an outer claim of this process, which lets go of it
         return
     handle = _lock(key, what)
-    _HELD[key] = (1, handle)
+    _HELD[key] = handle
     try:
         yield
     finally:
