@@ -28,12 +28,13 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("estimators.estimator", 7),
     ("estimators.probing", 8),
     ("estimators", 9),  # the package itself: its public names
-    # memplan: utilities -> training | planning -> reports -> diagnostics -> option sources -> fit -> cli
+    # memplan: utilities -> training | planning -> reports -> diagnostics | integrations -> option sources -> fit -> cli
     ("memplan._version", 0),
     ("memplan._paths", 10), ("memplan._figures", 10), ("memplan.nn", 10),
     ("memplan.training", 11), ("memplan.planning", 11),
     ("memplan.reports", 12),
     ("memplan.diagnostics", 13),
+    ("memplan.integrations", 13),
     ("memplan._option_sources", 14),
     ("memplan._fit", 15),
     ("memplan.cli", 16),
