@@ -44,6 +44,7 @@ from .runtime._precision import (
     weight_dtype,
 )
 from .runtime._step import StepHooks, StepParts, StepResult, make_optimizer, to_device, train_step, training_loss
+from .task._hf import hf_task, is_hf_source, load_source
 from .task._shapes import grouped_order
 from .task._task import Task, default_logits_and_targets, default_loss, load_task
 from .tracing._recorder import Category
@@ -54,7 +55,7 @@ __all__ = [
     "PRECISIONS", "Precision", "Strategy", "TrainConfig", "normalize_precision",
     "ConfigError", "MemplanError", "ModelFileError", "NoFeasiblePlanError", "ProbeError",
     "TrainingError", "UnknownGPUError",
-    "Task", "load_task", "default_logits_and_targets", "default_loss", "grouped_order",
+    "Task", "load_task", "load_source", "hf_task", "is_hf_source", "default_logits_and_targets", "default_loss", "grouped_order",
     "format_size", "parse_count", "parse_size",
     # the estimate, the target, probes and races
     "Estimate", "Estimator", "estimate", "resolve_target", "BatchShapes", "ShapePeak",

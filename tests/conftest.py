@@ -8,6 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+# The suite runs offline (CI reaches only the package registries): the Hugging Face libraries
+# read their local cache and never wait on the Hub. Set before they are imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Parallel workers (pytest-xdist, one per core) each run one intra-op thread, and so do the
     # processes they start (probes, ranks, trace workers): several workers with a thread per

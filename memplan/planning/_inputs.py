@@ -13,7 +13,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from estimators import ConfigError, Estimator, Task, detect_local_gpu, format_size, load_task, parse_size
+from estimators import (
+    ConfigError,
+    Estimator,
+    Task,
+    detect_local_gpu,
+    format_size,
+    hf_task,
+    is_hf_source,
+    load_task,
+    parse_size,
+)
 
 __all__ = ["host_budget_for", "resolve_task", "estimator_for", "default_budget", "budget_for", "vram_beyond_device",
            "meta_model", "can_probe"]
@@ -34,10 +44,18 @@ def estimator_for(task: Task, *, device: str | None, gpu: str | None) -> Estimat
     return per_task[key]
 
 
-def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any = None, **module_parts: Any) -> Task:
-    """The task of a model file, a ``Task``, or an ``nn.Module`` with ``sample`` and/or the
-    ``module_parts`` of :meth:`Task.from_module` (``loss``, ``optimizer``, ``train_data``,
-    ``val_data``, ``collate``, ``settings``)."""
+def resolve_task(model: Task | str | os.PathLike[str] | nn.Module, sample: Any = None, *,
+                 seq_len: int | None = None, **module_parts: Any) -> Task:
+    """The task of a model file, an ``hf:`` source (at ``seq_len`` tokens), a ``Task``, or an
+    ``nn.Module`` with ``sample`` and/or the ``module_parts`` of :meth:`Task.from_module`
+    (``loss``, ``optimizer``, ``train_data``, ``val_data``, ``collate``, ``settings``)."""
+    if is_hf_source(model) or seq_len is not None:
+        if not is_hf_source(model):
+            raise ConfigError("seq_len= applies to hf: models only; a model file's or module's batches set their shapes")
+        if sample is not None or any(v is not None for v in module_parts.values()):
+            raise ConfigError("an hf: model brings its own batches and loss; drop sample=, loss=, train_data=, ...")
+        assert isinstance(model, str)  # is_hf_source
+        return hf_task(model, seq_len=seq_len)
     parts = {k: v for k, v in module_parts.items() if v is not None}
     if isinstance(model, Task):
         if sample is not None or parts:

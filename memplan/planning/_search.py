@@ -105,10 +105,13 @@ def search(
     plot: str | os.PathLike[str] | None = None,
     shape_policy: str = "max",
     host_memory: int | str | None = None,
+    seq_len: int | None = None,
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
-    ``model`` is a model-file path, a :class:`Task`, or an ``nn.Module`` with ``sample`` (a
+    ``model`` is a model-file path, ``"hf:<repo id | directory | config.json>"`` (a Hugging Face
+    model planned from its config, at ``seq_len`` tokens; ``estimators.hf_task`` for its other
+    options: head, LoRA), a :class:`Task`, or an ``nn.Module`` with ``sample`` (a
     batch, or a callable ``batch_size -> batch``) or ``train_data`` (a ``Dataset``), and
     optionally ``loss(model, batch) -> Tensor`` and ``optimizer(parameters) -> Optimizer``.
     ``vram`` is the memory budget (``"12GB"``, ``"12GiB"`` or bytes); by default the free
@@ -155,7 +158,7 @@ def search(
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     check_storage(storage)  # a bad URL is one line now, not a traceback after the estimates
-    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data).with_shape_policy(
+    task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data, seq_len=seq_len).with_shape_policy(
         shape_policy
     )
     estimator = estimator_for(task, device=device, gpu=gpu)
