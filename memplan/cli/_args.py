@@ -9,20 +9,48 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypedDict
 
-from estimators import TrainConfig, normalize_precision, parse_count
+from estimators import Task, TrainConfig, load_source, normalize_precision, parse_count
 
 if TYPE_CHECKING:
     from ..training import LaunchSpec
 
-__all__ = ["add_common_args", "add_config_args", "config_from", "add_shape_policy", "add_search_args",
+__all__ = ["add_common_args", "add_hf_args", "task_from", "add_config_args", "config_from", "add_shape_policy", "add_search_args",
            "add_layout_args", "add_launch_args", "launch_spec", "layout_from", "search_kwargs", "add_train_args"]
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """What every command takes: the model file, the device, and quiet progress."""
-    p.add_argument("model", help="model file (defines model(), train_data(), …)")
+    p.add_argument("model", help="model file (defines model(), train_data(), …), or hf:<repo id | directory | config.json>")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="target device type")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_hf_args(p: argparse.ArgumentParser) -> None:
+    """How an ``hf:`` model is trained: what a model file's own functions say otherwise."""
+    g = p.add_argument_group("Hugging Face models (hf:<repo id | directory | config.json>)")
+    g.add_argument("--seq-len", default=None, help="tokens per sample (required for hf: models)")
+    g.add_argument("--task", default=None, dest="hf_task",
+                   help="the head trained: causal-lm (default), seq-cls (sequence classification) or masked-lm")
+    g.add_argument("--num-labels", default=None, help="classes of the seq-cls head (default 2)")
+    g.add_argument("--lora-rank", default=None, help="plan a PEFT LoRA fine-tune of this rank (the base frozen)")
+    g.add_argument("--lora-targets", default=None,
+                   help="modules given adapters, e.g. q_proj,v_proj (default: PEFT's for the architecture)")
+
+
+def task_from(args: argparse.Namespace) -> Task:
+    """The task of the command's model argument: a model file, or an ``hf:`` source with its flags."""
+    def count(name: str, flag: str) -> int | None:
+        value = getattr(args, name, None)
+        return parse_count(value, what=flag) if value is not None else None
+
+    return load_source(
+        args.model,
+        seq_len=count("seq_len", "--seq-len"),
+        task=getattr(args, "hf_task", None),
+        num_labels=count("num_labels", "--num-labels"),
+        lora_rank=count("lora_rank", "--lora-rank"),
+        lora_targets=_names(getattr(args, "lora_targets", None)),
+    )
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

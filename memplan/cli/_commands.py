@@ -10,13 +10,14 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from estimators import Estimator, Task, load_task, parse_count
+from estimators import ConfigError, Estimator, Task, is_hf_source, load_task, parse_count
 
 from .._paths import writable_dir, writable_file
 from ..reports._report import estimate_table
 from ._args import (
     add_common_args,
     add_config_args,
+    add_hf_args,
     add_launch_args,
     add_layout_args,
     add_search_args,
@@ -26,6 +27,7 @@ from ._args import (
     launch_spec,
     layout_from,
     search_kwargs,
+    task_from,
 )
 
 if TYPE_CHECKING:
@@ -46,13 +48,14 @@ class EstimateCommand:
         p.add_argument("--snapshot", default=None, help="write the timeline as a torch.cuda.memory._snapshot() pickle")
         p.add_argument("--vram", default=None, help="budget line drawn on --plot (default: the --gpu card's memory)")
         add_shape_policy(p)
+        add_hf_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
         config = config_from(args)
         for flag, path in (("--plot", args.plot), ("--snapshot", args.snapshot)):
             if path:
                 writable_file(path, flag)
-        task = load_task(args.model)
+        task = task_from(args)
         estimator = Estimator(task, device=args.device, gpu=args.gpu, shape_policy=args.shape_policy)
         est = estimator.shape_distribution(config, exact=True)
         if args.plot or args.snapshot:
@@ -77,19 +80,18 @@ class ProbeCommand:
         add_config_args(p)
         p.add_argument("--steps", default="5", help="measured steps after warm-up (default 5)")
         p.add_argument("--vram", default=None, help="memory budget enforced during the probe")
+        add_hf_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from estimators import parse_size, probe, resolve_target
 
         config = config_from(args)
         if args.gpu is not None:
-            from estimators import ConfigError
-
             raise ConfigError(
                 "a probe measures the device at hand; drop --gpu (use memplan estimate --gpu to plan for another card)"
             )
         device, _spec = resolve_target(args.device, None)
-        task = load_task(args.model)
+        task = task_from(args)
         budget = parse_size(args.vram, what="--vram") if args.vram else None
         result = probe(task, config, device=device, steps=parse_count(args.steps, what="--steps"), budget_bytes=budget)
         if args.json:
@@ -121,22 +123,34 @@ class PlanCommand:
         p.add_argument(
             "--plot", default=None, help="draw every trial's peak against samples/s to this image (memplan[plots])"
         )
+        from ..integrations import TOOLS
+
+        p.add_argument("--emit", default=None, choices=TOOLS,
+                       help="print the plan as that trainer's settings (the table goes to stderr)")
+        p.add_argument("--emit-out", default=None, help="write the --emit settings to this file instead of printing them")
+        add_hf_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from .._fit import layout_kwargs
         from ..planning import search
 
         gpus, nodes = layout_from(args)
+        if args.emit_out and not args.emit:
+            raise ConfigError("--emit-out names where --emit's settings go; add --emit hf|trl|lightning|accelerate|torchtune")
+        if args.emit and args.json:
+            raise ConfigError("--emit and --json both print the plan; give one (or --emit with --emit-out FILE)")
         # Where the results go, checked before a search that may take minutes.
-        if args.out:
-            writable_file(args.out, "--out")
+        for flag, path in (("--out", args.out), ("--emit-out", args.emit_out)):
+            if path:
+                writable_file(path, flag)
         if args.plot:
             writable_file(args.plot, "--plot")
             from .._figures import require_matplotlib
 
             require_matplotlib()  # fail before the search, not after it
+        task = task_from(args)
         plan = search(
-            args.model,
+            task,
             progress=not (args.json or args.no_progress) and sys.stderr.isatty(),
             **search_kwargs(args),
             **layout_kwargs(None, gpus=gpus, nodes=nodes),
@@ -144,8 +158,36 @@ class PlanCommand:
         )
         if args.out:
             plan.save(args.out)
+        if args.emit:
+            _emit(plan, args.emit, args.emit_out)
+            return 0
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
         return 0
+
+
+def _emit(plan: Plan, tool: str, out: str | None) -> None:
+    """The plan as ``tool``'s settings, printed (the table then on stderr) or written to ``out``;
+    what the tool cannot express is said on stderr, never dropped."""
+    from pathlib import Path
+
+    from ..integrations import caveats, emit
+
+    text = emit(plan, tool)
+    print(plan.table(), file=sys.stderr if out is None else sys.stdout)
+    for line in caveats(plan, tool):
+        print(f"memplan: {tool}: {line}", file=sys.stderr)
+    if out is None:
+        print(text)
+    else:
+        Path(out).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        print(f"{tool} settings written to {out}")
+
+
+def _no_hf(args: argparse.Namespace, command: str) -> None:
+    """fit and train need the model file's data: an hf: source has none."""
+    if is_hf_source(args.model):
+        raise ConfigError(f"memplan {command} trains on a model file's train_data(); write one with "
+                          f"`memplan init --from {args.model}`, then `memplan {command} model.py ...`")
 
 
 def _lr_auto(args: argparse.Namespace, task: Task) -> bool:
@@ -230,11 +272,10 @@ class FitCommand:
         add_launch_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from estimators import ConfigError
-
         from .._fit import fit, resumed_plan
         from ..planning import resolve_task
 
+        _no_hf(args, "fit")
         # fit trains what it plans: --gpus/--nodes default to --nproc/--nnodes and must agree.
         gpus, nodes = layout_from(args)
         nproc = parse_count(args.nproc, what="--nproc") if args.nproc else None
@@ -286,6 +327,7 @@ class TrainCommand:
         from .._fit import check_plan_device, options_for_plan, run_folder, train_plan
         from ..planning import Plan
 
+        _no_hf(args, "train")
         task = load_task(args.model)
         options = _train_options(args, "cpu", task)
         plan = Plan.load(args.plan)
