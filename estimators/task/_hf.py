@@ -192,6 +192,8 @@ def hf_task(ref: str, *, seq_len: int | None, task: str | None = None, lora_rank
         sample_fn=functools.partial(_token_batch, source, int(getattr(config, "vocab_size", 0) or 0)),
         settings={},
         source_hash=_source_hash(config, source),
+        origin={"hf": source.ref, "seq_len": source.seq_len, "task": source.head, "lora_rank": source.lora_rank,
+                "lora_targets": list(source.lora_targets) if source.lora_targets else None},
     )
 
 

@@ -135,6 +135,9 @@ class Task:
     settings: Mapping[str, Setting] = field(default_factory=dict)
     source_path: str | None = None
     source_hash: str | None = None
+    origin: Mapping[str, Setting] = field(default_factory=dict)
+    """Where a task not read from a model file comes from, for the plan's provenance: an
+    ``hf:`` source's ``hf`` (repo id, folder or file), ``seq_len``, ``task`` and ``lora_rank``."""
     prebuilt: nn.Module | None = None
     """The user's own module (``from_module``); never mutated by memplan."""
     item_sizes: Callable[[Dataset], Sequence[ItemSize]] | None = None

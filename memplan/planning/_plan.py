@@ -135,11 +135,14 @@ def _optional_int(value: Any, name: str) -> int | None:
 
 
 def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_path: str | None,
-               structure: tuple[int, str] | None = None, model_name: str | None = None) -> dict[str, Any]:
+               structure: tuple[int, str] | None = None, model_name: str | None = None,
+               origin: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Where the plan comes from. ``source_hash`` is the model file's (or, for an in-memory
     module, ``module_fingerprint``'s); ``structure`` the model's ``structure_fingerprint``
     (parameter count, hash of the parameters' and buffers' names, shapes, dtypes and
-    trainability): what ``check_plan_model`` holds a model to train against."""
+    trainability): what ``check_plan_model`` holds a model to train against; ``origin`` where a
+    task not read from a model file comes from (``Task.origin``: an ``hf:`` model's repo and
+    sequence length, which the exports to other trainers read)."""
     out: dict[str, Any] = {
         "memplan": __version__,
         "torch": torch.__version__,
@@ -151,6 +154,8 @@ def provenance(*, device: str, gpu: str | None, source_hash: str | None, source_
     }
     if model_name is not None:
         out["model_name"] = model_name
+    if origin:
+        out["origin"] = dict(origin)
     if structure is not None:
         out["model_parameters"], out["model_structure_sha256_16"] = structure
     out["host"] = platform.node()

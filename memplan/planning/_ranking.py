@@ -154,7 +154,7 @@ def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *
         failures=failed,
         provenance=provenance(device=estimator.device, gpu=gpu,
                               source_hash=task.source_hash, source_path=task.source_path,
-                              structure=structure, model_name=task.name),
+                              structure=structure, model_name=task.name, origin=task.origin),
         notes=(*notes, *((summary,) if summary else ())),
         compile=compile,
     )
