@@ -4,7 +4,7 @@ and keeps the global batch."""
 
 from __future__ import annotations
 
-from ._batch import reduce_batch_size_fn
+from ._batch import accumulation_for, reduce_batch_size_fn
 from ._export import config, config_yaml
 
-__all__ = ["config", "config_yaml", "reduce_batch_size_fn"]
+__all__ = ["config", "config_yaml", "reduce_batch_size_fn", "accumulation_for"]

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'memplan[hf]'")
-
-from estimators import ConfigError, Estimator, TrainConfig, hf_task, load_source, probe  # noqa: E402
-from helpers.hf import write_hub_cache, write_tiny  # noqa: E402
+from estimators import ConfigError, Estimator, TrainConfig, hf_task, load_source, probe
+from helpers.hf import write_hub_cache, write_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,29 +23,19 @@ from typing import Any
 import pytest
 import torch
 
-from estimators import ConfigError, Estimate, TrainConfig, TrainingError
+from estimators import ConfigError, TrainConfig, TrainingError
+from helpers import plans
+from helpers.plans import STEP_S, estimate
 from memplan.planning import Plan, PlanEntry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GLOBAL = 8
-STEP_S = 0.25
-
-
-def estimate(config: TrainConfig, *, peak: int | None = None, speed: float | None = None) -> Estimate:
-    """A prediction for ``config``: memory growing with the micro-batch, the bigger the faster."""
-    micro = config.micro_batch_size
-    return Estimate(config=config, device="cpu", gpu=None, peak_allocated_bytes=peak or 1_000_000 * micro,
-                    peak_reserved_bytes=None, breakdown={}, peak_phase="backward", context_bytes=0,
-                    workspace_bytes=0, method="traced", modelled=False, params=1, trainable_params=1,
-                    step_time_s=STEP_S, samples_per_s=speed or 100.0 * micro)
 
 
 def plan_of(*configs: TrainConfig, global_batch: int = GLOBAL) -> Plan:
     """A plan of ``configs``, the first its choice."""
-    entries = tuple(PlanEntry(config=c, predicted=estimate(c)) for c in configs)
-    return Plan(entries=entries, budget_bytes=10**9, margin=0.1, device="cpu", gpu=None,
-                global_batch=global_batch, trials=len(entries))
+    return plans.plan_of(*configs, global_batch=global_batch)
 
 
 def scalars(folder: Path) -> dict[str, list[float]]:
