@@ -9,7 +9,8 @@ that cannot be traced, its reason kept in :class:`Failures`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial
@@ -20,9 +21,11 @@ from ._failures import Failures
 from ._plan import excess_bytes
 from ._refusal import StateFloor
 from ._space import SearchSpace
-from ._study import MirroredStudy
 
-__all__ = ["Objective", "optimize"]
+if TYPE_CHECKING:
+    from ._study import MirroredStudy
+
+__all__ = ["Objective", "optimize", "config_from_params", "trial_params", "ROUNDS"]
 
 
 class Objective:
@@ -39,6 +42,8 @@ class Objective:
         self.failures = Failures(space)
         self.pruned: dict[TrainConfig, str] = {}
         """Configurations known not to fit without a trace, and why."""
+        self.broken = False
+        """Every configuration fails alike: the study was stopped (``Failures.shared``)."""
 
     def fits(self, est: Estimate) -> bool:
         """Within the device's limit, and the host's for what it offloads."""
@@ -98,21 +103,36 @@ class Objective:
         return {est.config for est in self.cache.values()} | set(self.failures.reasons) | set(self.pruned)
 
     def results(self) -> tuple[list[Estimate], dict[TrainConfig, str]]:
-        """The estimates and the failures of the configurations in the space."""
-        space = set(self.space)
-        return [e for c, e in self.cache.items() if c in space], self.failures.in_space()
+        """The estimates and the failures of the configurations in the space, in the space's
+        order (not the order they were asked in: equal predictions then rank alike however
+        the trials fell, in one process or over a shared study's workers)."""
+        failed = self.failures.in_space()
+        return ([self.cache[c] for c in self.space if c in self.cache],
+                {c: failed[c] for c in self.space if c in failed})
 
     def __call__(self, trial: optuna.Trial) -> float:
-        space, limit = self.space, self.limit
-        layout = trial.suggest_categorical("layout", [layout.key for layout in space.layouts])
-        micro = trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes))
-        precision = trial.suggest_categorical("precision", list(space.precisions))
-        segments = trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments))
-        grouped = (bool(trial.suggest_categorical("length_grouped", list(space.grouping)))
-                   if len(space.grouping) > 1 else False)
-        technique = (str(trial.suggest_categorical("technique", [t.name for t in space.technique_choices]))
-                     if space.techniques else "none")
-        config = space.config(int(micro), str(precision), int(segments), str(layout), grouped, technique)
+        return self.answer(trial, self.config_of(trial))
+
+    def config_of(self, trial: optuna.Trial) -> TrainConfig:
+        """The configuration the trial's parameters name (suggested by the sampler, or fixed
+        by an enqueued trial)."""
+        space = self.space
+        params = {
+            "layout": trial.suggest_categorical("layout", [layout.key for layout in space.layouts]),
+            "micro_batch_size": trial.suggest_categorical("micro_batch_size", list(space.micro_batch_sizes)),
+            "precision": trial.suggest_categorical("precision", list(space.precisions)),
+            "checkpoint_segments": trial.suggest_categorical("checkpoint_segments", list(space.checkpoint_segments)),
+        }
+        if len(space.grouping) > 1:
+            params["length_grouped"] = trial.suggest_categorical("length_grouped", list(space.grouping))
+        if space.techniques:
+            params["technique"] = trial.suggest_categorical("technique", [t.name for t in space.technique_choices])
+        return _config(space, params)
+
+    def answer(self, trial: optuna.Trial, config: TrainConfig) -> float:
+        """The trial's value for ``config``, its constraint and what it rests on set on the
+        trial: pruned, failed, or estimated (each at most once per configuration)."""
+        limit = self.limit
         known = None if config in self.cache else self.prune(config)
         if known is not None:
             # Known not to fit: an infeasible trial for the sampler, without a trace.
@@ -127,12 +147,47 @@ class Objective:
             trial.set_user_attr("failed", self.failures.reasons[config])
             trial.set_constraint("memory", max(limit, 1) / 1e9)
             if not self.cache and self.failures.shared(self.evaluate):
+                self.broken = True
                 trial.study.stop()  # every configuration fails alike: the model itself is broken
             return 0.0
         trial.set_user_attr("estimate", est.to_dict())
         # Constraint in GB keeps the numbers readable in optuna-dashboard; <= 0 is feasible.
         trial.set_constraint("memory", self.excess(est) / 1e9)
         return float(est.samples_per_s or 0.0)
+
+
+def _config(space: SearchSpace, params: Mapping[str, Any]) -> TrainConfig:
+    return space.config(int(params["micro_batch_size"]), str(params["precision"]), int(params["checkpoint_segments"]),
+                        str(params["layout"]), bool(params.get("length_grouped", False)),
+                        str(params.get("technique", "none")))
+
+
+def config_from_params(space: SearchSpace, params: Mapping[str, Any]) -> TrainConfig | None:
+    """The configuration a trial's parameters name in ``space`` (None: another space's)."""
+    try:
+        return _config(space, params)
+    except (KeyError, StopIteration, ValueError, MemplanError):
+        return None
+
+
+def trial_params(space: SearchSpace) -> dict[TrainConfig, dict[str, object]]:
+    """The trial parameters that ask for each configuration of ``space`` (the first of those
+    naming it, where a technique that does not apply makes several name one)."""
+    out: dict[TrainConfig, dict[str, object]] = {}
+    for layout in space.layouts:
+        for micro in space.micro_batch_sizes:
+            for precision in space.precisions:
+                for segments in space.checkpoint_segments:
+                    for grouped in space.grouping:
+                        for technique in space.technique_choices:
+                            params: dict[str, object] = {"layout": layout.key, "micro_batch_size": micro,
+                                                         "precision": precision, "checkpoint_segments": segments}
+                            if len(space.grouping) > 1:
+                                params["length_grouped"] = grouped
+                            if space.techniques:
+                                params["technique"] = technique.name
+                            out.setdefault(_config(space, params), params)
+    return out
 
 
 def _same_but_batch_and_segments(a: TrainConfig, b: TrainConfig) -> bool:
@@ -145,7 +200,7 @@ def _same_but_batch_and_segments(a: TrainConfig, b: TrainConfig) -> bool:
     return a.checkpoint_policy == b.checkpoint_policy and rest(a) == rest(b)
 
 
-_ROUNDS = 4
+ROUNDS = 4
 """The trials asked at most, in budgets: pruned trials cost no trace, but the sampler may keep
 asking for them."""
 
@@ -154,7 +209,7 @@ def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exha
              progress: bool) -> bool:
     """Ask the study for the trials not answered yet (at most ``trials`` estimated or failed
     configurations in all: one pruned without a trace costs none of the budget, so the study
-    is asked again for what they left, up to ``_ROUNDS`` budgets in all); True when Ctrl-C cut it short
+    is asked again for what they left, up to ``ROUNDS`` budgets in all); True when Ctrl-C cut it short
     (the completed trials are in the storage: a plan is built from them)."""
     space, estimator = objective.space, objective.estimator
     in_space = set(space)
@@ -171,8 +226,8 @@ def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exha
     if left:
         try:
             asked = 0
-            # The sampler may ask a pruned configuration again: ask at most _ROUNDS budgets.
-            while left and asked < _ROUNDS * trials:
+            # The sampler may ask a pruned configuration again: ask at most ROUNDS budgets.
+            while left and asked < ROUNDS * trials:
                 mirrored.optimize(objective, n_trials=left, progress=progress)
                 asked += left
                 left = 0 if exhaustive else remaining()
