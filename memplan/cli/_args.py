@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypedDict
 
-from estimators import Task, TrainConfig, load_source, normalize_precision, parse_count
+from estimators import ConfigError, Task, TrainConfig, load_source, normalize_precision, parse_count
 
 if TYPE_CHECKING:
     from ..training import LaunchSpec
@@ -130,7 +130,12 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         help="best configurations to probe compiled with torch.compile (default 1; 0 = none)",
     )
     p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
-    p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan); "
+                   "a postgresql:// or mysql:// study is shared by every process given it (docs/shared_studies.md)")
+    p.add_argument("--study-name", default=None,
+                   help="plan: name the study (default: a hash of the inputs); a named study refuses other inputs")
+    p.add_argument("--shared", action="store_true", default=None,
+                   help="plan: share the study with the other processes given the same --storage, also in SQLite")
     add_shape_policy(p)
 
 
@@ -185,7 +190,14 @@ def _names(text: str | None) -> list[str] | None:
     return [v.strip() for v in str(text).split(",") if v.strip()] if text is not None else None
 
 
-class SearchKwargs(TypedDict):
+class _SharedStudyKwargs(TypedDict, total=False):
+    """A shared study's keywords, passed only when given (``fit`` takes neither)."""
+
+    study_name: str
+    shared: bool
+
+
+class SearchKwargs(_SharedStudyKwargs):
     """``search``'s keywords from the command line (``search_kwargs``)."""
 
     precisions: list[str] | None
@@ -206,7 +218,7 @@ class SearchKwargs(TypedDict):
 
 
 def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
-    return SearchKwargs(
+    kwargs = SearchKwargs(
         precisions=_names(args.precision),
         strategies=_names(args.strategy),
         checkpoint_segments=_counts(args.checkpoint, "--checkpoint", minimum=0),
@@ -223,6 +235,16 @@ def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
         shape_policy=args.shape_policy,
         host_memory=args.host_memory,
     )
+    # Only memplan plan passes them on (fit's search shares a study by its --storage alone).
+    given = [f for f, v in (("--study-name", args.study_name), ("--shared", args.shared)) if v is not None]
+    if given and getattr(args, "command", "plan") != "plan":
+        raise ConfigError(f"{' and '.join(given)}: memplan plan's; memplan {args.command} shares a study through a "
+                          "postgresql:// or mysql:// --storage, the study named by its inputs")
+    if args.study_name is not None:
+        kwargs["study_name"] = args.study_name
+    if args.shared is not None:
+        kwargs["shared"] = args.shared
+    return kwargs
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

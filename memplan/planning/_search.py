@@ -42,6 +42,7 @@ from ._probes import probe_best
 from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
 from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
+from ._shared import SharedStudy, run_shared, shares_storage
 from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
 from ._study import MirroredStudy, check_storage, enqueue_corners, open_study
 
@@ -72,6 +73,8 @@ class _StudyOptions(TypedDict):
     progress: bool
     floor: StateFloor | None
     host_limit: int | None
+    shared: bool
+    study_name: str | None
 
 
 def search(
@@ -106,6 +109,8 @@ def search(
     shape_policy: str = "max",
     host_memory: int | str | None = None,
     seq_len: int | None = None,
+    shared: bool | None = None,
+    study_name: str | None = None,
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -142,6 +147,14 @@ def search(
     ``host_memory``: the host RAM a GPU plan may fill with what it offloads (``"64GB"``; by
     default this machine's RAM). When nothing fits otherwise, the search widens to bf16-true,
     selective checkpointing and, on a GPU, FSDP2's CPU offload (one device included).
+
+    ``storage``: the Optuna storage URL of the study (default: SQLite in the cache folder).
+    ``shared``: several processes, on one machine or many, share the study and split its
+    configurations, each estimated by one of them; every process waits for the others and
+    returns the same plan (ranked by prediction: nothing is probed). By default a study is
+    shared on a database server (``postgresql://``, ``mysql://``), not in SQLite.
+    ``study_name`` names the study (default: a hash of the inputs); a named study refuses
+    other inputs. See ``docs/shared_studies.md``.
 
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
     alone the best are probed, and probes that overturn the prediction are confirmed by
@@ -191,6 +204,13 @@ def search(
     floor = state_floor(task, blocks_model)
     host_limit = host_budget_for(host_memory) if estimator.device == "cuda" else None
     refuse_from_lower_bound(task, floor, frugal or space, budget, limit, estimator, host_limit)
+    shared = shares_storage(storage, shared)
+    if shared and (probe_top > 0 or compile_top > 0) and can_probe(estimator, gpu):
+        # A probe measures the machine it runs on; every process of a shared study makes the
+        # same plan, from the shared estimates.
+        notes.append("a shared study's plan is ranked by prediction, the same for every process: nothing was "
+                     "probed (probes measure one machine; run memplan probe on the machine that trains)")
+        probe_top = compile_top = 0
     if (
         probe_top > 0
         and probe_fn is None
@@ -212,6 +232,8 @@ def search(
         progress=progress,
         floor=floor,
         host_limit=host_limit,
+        shared=shared,
+        study_name=study_name,
     )
     objective, mirrored, interrupted, wider = _study_then_widen(task, estimator, space, frugal, limit, study, notes)
     estimates, failed = objective.results()
@@ -266,7 +288,7 @@ def _study_then_widen(
     limit: int,
     study: _StudyOptions,
     notes: list[str],
-) -> tuple[Objective, MirroredStudy, bool, SearchSpace | None]:
+) -> tuple[Objective, MirroredStudy | SharedStudy, bool, SearchSpace | None]:
     """The study of ``space``; when nothing in it fits, the study of ``frugal`` (the techniques
     that trade speed or precision for memory), the estimates made so far kept. Returns the
     last study's objective, its storage, whether Ctrl-C cut it short, and the widened space
@@ -279,6 +301,9 @@ def _study_then_widen(
         raise objective.failures.first_error()
     if any(objective.fits(e) for e in estimates) or frugal is None:
         return objective, mirrored, interrupted, None
+    if study["study_name"] is not None:  # the wider space's study is another study
+        study = study.copy()
+        study["study_name"] = f"{study['study_name']}-wider"
     objective, mirrored, interrupted = _run_study(task, estimator, frugal, limit, cache=objective.cache, **study)
     added = [p for p in frugal.precisions if p not in space.precisions] + [t.name for t in frugal.techniques]
     notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
@@ -303,14 +328,21 @@ def _run_study(
     floor: StateFloor | None = None,
     host_limit: int | None = None,
     cache: Mapping[TrainConfig, Estimate] | None = None,
-) -> tuple[Objective, MirroredStudy, bool]:
-    """The study of ``space``: resumed, its least-memory corners asked first, run to ``trials``."""
+    shared: bool = False,
+    study_name: str | None = None,
+) -> tuple[Objective, MirroredStudy | SharedStudy, bool]:
+    """The study of ``space``: resumed, its least-memory corners asked first, run to ``trials``
+    (a shared study: this process's share of it, and then the others' awaited)."""
     objective = Objective(space, estimator, limit, floor=floor, host_limit=host_limit)
     if cache:
         objective.cache.update(cache)
     mirrored, exhaustive = open_study(
-        task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage
+        task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage,
+        shared=shared, study_name=study_name,
     )
+    if isinstance(mirrored, SharedStudy):
+        return objective, mirrored, run_shared(mirrored, objective, trials=trials, exhaustive=exhaustive,
+                                               progress=progress)
     objective.resume(mirrored.resumed())
     enqueue_corners(mirrored.study, space, objective.done())
     interrupted = optimize(mirrored, objective, trials=trials, exhaustive=exhaustive, progress=progress)

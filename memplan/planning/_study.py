@@ -11,6 +11,10 @@ The default storage, a SQLite file in the cache directory, runs in WAL mode with
 ``synchronous=NORMAL`` (a commit is durable against a process crash, not against a power
 cut, which costs only re-estimated trials): creating its schema went from ~1 s to ~0.1 s.
 A storage URL given by the user is opened as given.
+
+A study several processes share (a PostgreSQL or MySQL URL, or ``shared=True``) cannot run in
+memory: its processes must see each other's trials as they run. It runs on the storage, its
+configurations claimed per trial (``._shared``).
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from optuna.trial import FrozenTrial, TrialState
 from estimators import ConfigError, Estimator, Task, TrainConfig
 
 from .._version import __version__
+from ._shared import SharedStudy
 from ._space import SearchSpace
 
-__all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners", "check_storage"]
+__all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners", "check_storage", "STORAGE_HINT",
+           "sqlite_storage", "other_inputs"]
 
-_STORAGE_HINT = "give an Optuna storage URL such as sqlite:///studies.db or postgresql://user@host/db"
+STORAGE_HINT = "give an Optuna storage URL such as sqlite:///studies.db or postgresql://user@host/db"
 
 
 def check_storage(url: str | None) -> None:
@@ -51,16 +57,16 @@ def check_storage(url: str | None) -> None:
         parsed = make_url(url)
         parsed.get_dialect()
     except (ArgumentError, ValueError) as exc:
-        raise ConfigError(f"--storage {url!r} is not a database URL ({exc}); {_STORAGE_HINT}") from None
+        raise ConfigError(f"--storage {url!r} is not a database URL ({exc}); {STORAGE_HINT}") from None
     except NoSuchModuleError:
-        raise ConfigError(f"--storage {url!r}: no database driver for {parsed.drivername!r}; {_STORAGE_HINT}") from None
+        raise ConfigError(f"--storage {url!r}: no database driver for {parsed.drivername!r}; {STORAGE_HINT}") from None
     except ImportError as exc:
         raise ConfigError(f"--storage {url!r} needs a database driver that is not installed ({exc.name}); "
-                          f"pip install it, or {_STORAGE_HINT}") from None
+                          f"pip install it, or {STORAGE_HINT}") from None
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         folder = Path(parsed.database).expanduser().resolve().parent
         if not folder.is_dir():
-            raise ConfigError(f"--storage {url!r}: folder {folder} does not exist; create it or {_STORAGE_HINT}")
+            raise ConfigError(f"--storage {url!r}: folder {folder} does not exist; create it or {STORAGE_HINT}")
 
 
 def default_storage() -> str:
@@ -70,7 +76,8 @@ def default_storage() -> str:
     return f"sqlite:///{os.path.join(root, 'studies.db')}"
 
 
-def _sqlite_storage(url: str) -> optuna.storages.RDBStorage:
+def sqlite_storage(url: str, **options: Any) -> optuna.storages.RDBStorage:
+    """A SQLite storage in WAL mode with ``synchronous=NORMAL`` (``options``: RDBStorage's)."""
     path = url[len("sqlite:///"):]
 
     def connect() -> sqlite3.Connection:
@@ -79,7 +86,7 @@ def _sqlite_storage(url: str) -> optuna.storages.RDBStorage:
         conn.execute("PRAGMA synchronous=NORMAL")
         return conn
 
-    return optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect})
+    return optuna.storages.RDBStorage(url, engine_kwargs={"creator": connect}, **options)
 
 
 class MirroredStudy:
@@ -87,7 +94,7 @@ class MirroredStudy:
 
     def __init__(self, *, name: str, storage: str, sampler: optuna.samplers.BaseSampler,
                  tuned_sqlite: bool = False, flush_s: float = 2.0) -> None:
-        backend: Any = _sqlite_storage(storage) if tuned_sqlite and storage.startswith("sqlite:///") else storage
+        backend: Any = sqlite_storage(storage) if tuned_sqlite and storage.startswith("sqlite:///") else storage
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             try:
@@ -97,7 +104,7 @@ class MirroredStudy:
                 if isinstance(exc, ConfigError):
                     raise
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise ConfigError(f"--storage {storage!r} cannot be opened ({reason}); {_STORAGE_HINT}") from None
+                raise ConfigError(f"--storage {storage!r} cannot be opened ({reason}); {STORAGE_HINT}") from None
             self.study = optuna.create_study(study_name=name, sampler=sampler, direction="maximize")
         done = self.persistent.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         self.study.add_trials(done)
@@ -134,6 +141,11 @@ class MirroredStudy:
 
 
 def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace) -> str:
+    return f"memplan-{task.name}-{_study_key(task, estimator, budget, margin, space)[:12]}"
+
+
+def _study_key(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace) -> str:
+    """A hash of everything the study's figures depend on (its name holds the first 12 digits)."""
     key = "|".join(str(x) for x in (
         task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
         budget, margin, space.global_batch, space.micro_batch_sizes, space.precisions,
@@ -146,25 +158,48 @@ def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, sp
         *((space.grouping,) if space.grouping != (False,) else ()),
         *((tuple(t.name for t in space.techniques),) if space.techniques else ()),
     ))
-    return f"memplan-{task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, space: SearchSpace, trials: int,
-               seed: int | None, storage: str | None) -> tuple[MirroredStudy, bool]:
+               seed: int | None, storage: str | None, shared: bool = False,
+               study_name: str | None = None) -> tuple[MirroredStudy | SharedStudy, bool]:
     """The study of this task, target, budget and space (resumed when it exists), and whether
     it enumerates the space: a space no larger than ``trials`` is asked whole
-    (``BruteForceSampler``), a larger one sampled by a seeded TPE sampler."""
+    (``BruteForceSampler``), a larger one sampled by a seeded TPE sampler. ``shared``: the
+    study runs on the storage, its configurations split with the other processes that open it
+    (``._shared``); their samplers are not seeded, or all would ask the same configuration
+    first. ``study_name`` names the study (else a hash of its inputs does), and the study
+    records the hash of its inputs: a named study of other inputs is refused."""
     # Optuna's own warnings (a trial cut short by Ctrl-C) are not the user's business.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     exhaustive = len(space) <= trials
+    key = _study_key(task, estimator, budget, margin, space)
+    name = study_name or _study_name(task, estimator, budget, margin, space)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler: optuna.samplers.BaseSampler = (
-            optuna.samplers.BruteForceSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)
-        )
-    mirrored = MirroredStudy(name=_study_name(task, estimator, budget, margin, space),
-                             storage=storage or default_storage(), sampler=sampler, tuned_sqlite=storage is None)
+        sampler: optuna.samplers.BaseSampler
+        if shared:
+            sampler = (optuna.samplers.BruteForceSampler() if exhaustive
+                       else optuna.samplers.TPESampler(constant_liar=True))  # a running trial counts as asked
+            return SharedStudy(name=name, storage=storage or default_storage(), sampler=sampler, key=key,
+                               check_key=study_name is not None), exhaustive
+        sampler = optuna.samplers.BruteForceSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)
+    mirrored = MirroredStudy(name=name, storage=storage or default_storage(), sampler=sampler,
+                             tuned_sqlite=storage is None)
+    if study_name is not None:
+        recorded = mirrored.persistent.user_attrs.get("memplan_key")
+        if recorded is None:
+            mirrored.persistent.set_user_attr("memplan_key", key)
+        elif recorded != key:
+            raise ConfigError(other_inputs(study_name, storage or default_storage()))
     return mirrored, exhaustive
+
+
+def other_inputs(name: str, storage: str) -> str:
+    """The refusal of a named study that holds another search."""
+    return (f"study {name!r} in {storage!r} holds another search (other model, target, budget, space or "
+            "versions); give another --study-name, or the same inputs as the study's other processes")
 
 
 def enqueue_corners(study: optuna.Study, space: SearchSpace, done: Iterable[TrainConfig]) -> None:
