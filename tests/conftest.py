@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.postgres import postgres_server, postgres_url  # noqa: F401 - fixtures of the shared-study tests
 
 # The suite runs offline (CI reaches only the package registries): the Hugging Face libraries
 # read their local cache and never wait on the Hub. Set before they are imported.
