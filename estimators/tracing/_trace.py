@@ -40,7 +40,7 @@ from ._steady import RawEvents, drop_second_micro, repeat_first_step
 if TYPE_CHECKING:
     from torch.profiler import profile
 
-__all__ = ["Trace", "trace_step", "run_steps", "DataDependentShapes"]
+__all__ = ["Trace", "trace_step", "run_steps", "finish_trace", "DataDependentShapes"]
 
 
 class DataDependentShapes(MemplanError):
@@ -243,6 +243,14 @@ def _finished(rec: Recorder, phase_labels: list[str], prof: profile | None, conf
                     op_positions=rec.op_positions, host=rec.host,
                     op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
                     resized=rec.resized)
+    return finish_trace(raw, config, b, method, notes, derive=derive)
+
+
+def finish_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, notes: tuple[str, ...], *,
+                 derive: bool) -> Trace:
+    """The recorded events as a Trace: the later steps derived from the first when ``derive``
+    (with accumulation, the step of one micro-batch as ``single_micro`` too), frees in their
+    canonical order."""
     if not derive:
         return _as_trace(raw, config, b, method, notes)
     single = drop_second_micro(raw) if config.grad_accum_steps >= 2 else None
