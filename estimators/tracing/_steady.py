@@ -144,6 +144,14 @@ def _repeat_ops(raw: RawEvents, first: int, last: int, shift: int, survivors: se
     n_copied = copied_before[-1]
     ops_before, pos_before, ops_step2, pos_step2, ops_after, pos_after = [], [], [], [], [], []
     src_before, src_step2, src_after = [], [], []  # each op's index in ``raw.ops``
+    shifted: dict[OpRecord, OpRecord] = {}  # equal records shift to one (a block's ops repeat)
+
+    def moved(op: OpRecord) -> OpRecord:
+        out = shifted.get(op)
+        if out is None:
+            out = shifted[op] = replace(op, phase=op.phase + shift)
+        return out
+
     for k, (op, pos) in enumerate(zip(raw.ops, raw.op_positions)):
         if op.phase <= last:
             ops_before.append(op)
@@ -151,11 +159,11 @@ def _repeat_ops(raw: RawEvents, first: int, last: int, shift: int, survivors: se
             src_before.append(k)
         if first <= op.phase <= last:
             if not _only_made(raw, op.new_bytes, pos, survivors):
-                ops_step2.append(replace(op, phase=op.phase + shift))
+                ops_step2.append(moved(op))
                 pos_step2.append(n_before_end + copied_before[pos])
                 src_step2.append(k)
         elif op.phase > last:
-            ops_after.append(replace(op, phase=op.phase + shift))
+            ops_after.append(moved(op))
             pos_after.append(pos + n_copied)
             src_after.append(k)
     workspace = raw.op_workspace
