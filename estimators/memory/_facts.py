@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn as nn
+
 from ..runtime._checkpoint import find_block_stack
 from ..runtime._precision import cast_model
 from ..task._task import Task
@@ -24,8 +27,10 @@ class ModelFacts:
 
 
 def model_facts(task: Task) -> ModelFacts:
-    """Parameter counts, FSDP2 units and DDP buckets, from a fake copy of the model."""
-    model = build_fake_model(task, fake_mode())
+    """Parameter counts, FSDP2 units and DDP buckets, from the model built on the meta device
+    (shapes and dtypes alone; a billion parameters cost no time to allocate), else from a fake
+    copy of it."""
+    model = _shapes_only(task)
     distinct = list(dict.fromkeys(model.parameters()))
     find_block_stack(model, task.checkpoint_blocks)
     return ModelFacts(
@@ -36,3 +41,17 @@ def model_facts(task: Task) -> ModelFacts:
         # DDP's buckets hold the gradients, in the weights' dtype: half under bf16-true.
         ddp_buckets_low=tuple(ddp_bucket_bytes(cast_model(model, "bf16-true"))),
     )
+
+
+def _shapes_only(task: Task) -> nn.Module:
+    """The task's model with tensors of the right shapes and dtypes, ties kept: on the meta
+    device when it builds there, else a fake copy."""
+    if task.prebuilt is None:
+        try:
+            with torch.device("meta"):
+                model = task.build_model()
+            if isinstance(model, nn.Module):
+                return model
+        except Exception:  # noqa: BLE001 - some models cannot be built on meta
+            pass
+    return build_fake_model(task, fake_mode())
