@@ -134,8 +134,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                    "a postgresql:// or mysql:// study is shared by every process given it (docs/shared_studies.md)")
     p.add_argument("--study-name", default=None,
                    help="plan: name the study (default: a hash of the inputs); a named study refuses other inputs")
-    p.add_argument("--shared", action="store_true", default=None,
-                   help="plan: share the study with the other processes given the same --storage, also in SQLite")
+    p.add_argument("--shared", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan: share the study with the other processes given the same --storage, also in SQLite; "
+                   "--no-shared: one process, also on a database server (it reuses the study's estimates, and probes)")
     add_shape_policy(p)
 
 

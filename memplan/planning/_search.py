@@ -152,7 +152,8 @@ def search(
     ``shared``: several processes, on one machine or many, share the study and split its
     configurations, each estimated by one of them; every process waits for the others and
     returns the same plan (ranked by prediction: nothing is probed). By default a study is
-    shared on a database server (``postgresql://``, ``mysql://``), not in SQLite.
+    shared on a database server (``postgresql://``, ``mysql://``), not in SQLite; ``False``: one
+    process, which reuses the study's estimates (and probes, on the device at hand).
     ``study_name`` names the study (default: a hash of the inputs); a named study refuses
     other inputs. See ``docs/shared_studies.md``.
 
@@ -209,7 +210,8 @@ def search(
         # A probe measures the machine it runs on; every process of a shared study makes the
         # same plan, from the shared estimates.
         notes.append("a shared study's plan is ranked by prediction, the same for every process: nothing was "
-                     "probed (probes measure one machine; run memplan probe on the machine that trains)")
+                     "probed (a probe measures one machine); on the machine that trains, the same search with "
+                     "--no-shared (shared=False) reuses the study's estimates and probes the best")
         probe_top = compile_top = 0
     if (
         probe_top > 0

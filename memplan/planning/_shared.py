@@ -315,10 +315,10 @@ def run_shared(shared: SharedStudy, objective: Objective, *, trials: int, exhaus
     interrupted = False
     try:
         shared.refresh(objective)
-        from ._study import enqueue_corners  # ._study imports this module
-
-        enqueue_corners(shared.study, space, shared.answered)
         if not answered_enough():
+            from ._study import enqueue_corners  # ._study imports this module
+
+            enqueue_corners(shared.study, space, shared.answered)
             run(len(configs) if exhaustive else trials, progress)
         _wait_for_the_rest(shared, objective, configs, params, trials=trials, exhaustive=exhaustive,
                            answered_enough=answered_enough, run=run)
