@@ -195,9 +195,14 @@ def test_a_sampled_shared_study_closes_at_its_budget_and_is_resumed(net_file, po
     study = _study(postgres_url)
     assert study.user_attrs["closed_at_trials"] == 3
     assert len(_estimated(study)) == first.to_dict()["trials"] == 3
+    asked = len(study.get_trials())
     again = search(str(net_file), storage=postgres_url, trials=3, **SEARCH_KWARGS)
     assert len(_estimated(_study(postgres_url))) == 3  # nothing estimated again
     assert again.to_dict()["entries"] == first.to_dict()["entries"]
+    # One process on the same study (--no-shared, to probe on the machine that trains) reuses it too.
+    alone = search(str(net_file), storage=postgres_url, trials=3, shared=False, **SEARCH_KWARGS)
+    assert alone.to_dict()["entries"] == first.to_dict()["entries"]
+    assert len(_study(postgres_url).get_trials()) == asked  # neither asked a trial
 
 
 def test_claims_go_to_the_first_and_move_only_from_a_failed_owner(postgres_url):
@@ -237,5 +242,6 @@ def test_study_flags_are_plans_only():
     kwargs = search_kwargs(args)
     assert kwargs["study_name"] == "run1" and kwargs["shared"] is True
     assert "study_name" not in search_kwargs(build_parser().parse_args(["plan", "model.py"]))
+    assert search_kwargs(build_parser().parse_args(["plan", "model.py", "--no-shared"]))["shared"] is False
     with pytest.raises(ConfigError, match="memplan plan's"):
         search_kwargs(build_parser().parse_args(["fit", "model.py", "--study-name", "run1"]))
