@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from .._errors import ModelFileError
+from .._errors import MemplanError
 from ..task._task import Task
 
 if TYPE_CHECKING:
@@ -51,14 +51,23 @@ def _fake_copy(module: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def build_fake_model(task: Task, mode: FakeTensorMode) -> nn.Module:
+def build_fake_model(task: Task, mode: FakeTensorMode,
+                     shape: Callable[[nn.Module], object] | None = None) -> nn.Module:
     """The task's model with fake CPU parameters: built on meta where it can be, so that a
-    billion-parameter model costs no real memory; else built for real and copied."""
+    billion-parameter model costs no real memory; else built for real and copied.
+
+    ``shape`` changes the module tree before its tensors are made (a cut block stack: the
+    blocks it drops are never made); it is applied to the copy of a module built for real."""
     if task.prebuilt is not None:
-        return _fake_copy(task.prebuilt, mode)
+        model = _fake_copy(task.prebuilt, mode)
+        if shape is not None:
+            shape(model)
+        return model
     try:
         with torch.device("meta"):
             model = task.build_model()
+        if shape is not None:
+            shape(model)
         ties = _shared_tensors(model)
         with mode:
             model.to_empty(device="cpu")
@@ -66,11 +75,14 @@ def build_fake_model(task: Task, mode: FakeTensorMode) -> nn.Module:
         if any(t.device.type == "meta" for t in _plain_tensor_attrs(model)):
             raise RuntimeError("plain tensor attributes left on meta")
         return model
-    except ModelFileError:
+    except MemplanError:
         raise
     except Exception:  # noqa: BLE001 - some models cannot be built on meta; build for real
         real = task.build_model()
-        return _fake_copy(real, mode)
+        model = _fake_copy(real, mode)
+        if shape is not None:
+            shape(model)
+        return model
 
 
 def _shared_tensors(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:

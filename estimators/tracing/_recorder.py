@@ -26,7 +26,8 @@ from .._types import Batch
 from ..runtime._step import StepHooks
 from . import _simulated_ranks as _distributed
 
-__all__ = ["Category", "OnCompute", "OpRecord", "Recorder", "RecordingHooks", "PHASES", "recorded_rng_states"]
+__all__ = ["DEFERRED", "BlockTags", "Category", "OnCompute", "OpRecord", "Recorder", "RecordingHooks", "PHASES",
+           "recorded_rng_states"]
 
 OnCompute: TypeAlias = Callable[[int, OpOverload, Sequence[object], Mapping[str, object]], None]
 """``on_compute(index, func, args, kwargs)``: shown each op whose FLOPs torch counts."""
@@ -82,6 +83,64 @@ class OpRecord:
         return self.new_bytes > 0 or self.flops > 0
 
 
+DEFERRED = -2
+"""The tag of what a factory op makes outside any block until an op shows whose it is."""
+
+
+class BlockTags:
+    """Which block of the model's block stack each allocation, event and op of a trace belongs
+    to (-1: none), for composing the trace of a deeper stack (``_compose``).
+
+    Inside a block's forward or backward (``block``, set by ``_depth.tagged_blocks``' hooks)
+    everything recorded is that block's. Outside, an allocation belongs to the block its op's
+    inputs belong to (the ``i``-th output of a ``_foreach_`` op: its ``i``-th input's), to
+    none when they belong to several or to none; what an op without inputs makes (the scalar
+    ``step`` Adam makes before each parameter's moments) belongs to the block of the next op
+    with recorded inputs, unless a block starts or ends first (:meth:`resolve`). An op belongs to its outputs'
+    (else its inputs') block; an event to its allocation's block. A free outside any block also
+    notes the block of the op it follows (``after_op``): ``_compose`` gives a burst of frees
+    of one block's allocations to that op's block when it is the same or a neighbour (a loop
+    over the parameters drops the last parameter's temporary while it works on the next one).
+    """
+
+    __slots__ = ("block", "alloc", "event", "after_op", "op", "last_op", "views", "_deferred")
+
+    def __init__(self) -> None:
+        self.block = -1
+        """The block whose forward or backward runs now; -1 between blocks."""
+        self.last_op = -1
+        """Outside any block: the block of the last op recorded, or of the block that just ended."""
+        self.alloc: list[int] = []
+        self.event: list[int] = []
+        self.after_op: list[int] = []
+        """Per event: for a free outside any block, the block of the op before it (else -1)."""
+        self.op: list[int] = []
+        self.views: dict[int, int] = {}
+        """id of a view -> its block, where the view's storage is no block's (DDP's gradient
+        views into a bucket shared by several blocks' parameters)."""
+        self._deferred: list[tuple[list[int], int]] = []  # (column, row) waiting for a block
+
+    def defer(self, column: list[int], row: int) -> None:
+        self._deferred.append((column, row))
+
+    def resolve(self, block: int) -> None:
+        """What waits for a block is ``block``'s."""
+        for column, row in self._deferred:
+            column[row] = block
+        self._deferred.clear()
+
+    def enter(self, block: int) -> None:
+        """``block`` runs now (-1: none); what waits belongs to no block. Frees right after a
+        block ends follow it as they would its last op."""
+        self.resolve(-1)
+        self.last_op = self.block if block < 0 else -1
+        self.block = block
+
+    def reset(self) -> None:
+        """A new phase: no block runs."""
+        self.enter(-1)
+
+
 class Recorder(TorchDispatchMode):
     """Records storage births (op outputs) and deaths (weakref callbacks)."""
 
@@ -104,6 +163,8 @@ class Recorder(TorchDispatchMode):
         self.on_compute: OnCompute | None = None
         self.host: list[int] = []  # allocations in host memory whatever the device
         self.resized: list[int] = []  # allocations freed by resizing their storage to 0
+        self.tags: BlockTags | None = None  # the block of each allocation, event and op, when asked
+        self._pending = -1  # outside any block: the block the outputs being tracked belong to
 
     # storages --------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: Category = Category.TEMPORARIES) -> int | None:
@@ -121,6 +182,11 @@ class Recorder(TorchDispatchMode):
         index = len(self.alloc_bytes)
         self.alloc_bytes.append(nbytes)
         self.alloc_category.append(int(category))
+        if self.tags is not None:
+            tag = self.tags.block if self.tags.block >= 0 else self._pending
+            if tag == DEFERRED:
+                self.tags.defer(self.tags.alloc, len(self.tags.alloc))
+            self.tags.alloc.append(tag)
         self.live[key] = index
         self._event(index, +1)
         self._refs[key] = weakref.ref(storage, functools_partial(self._released, key))
@@ -150,6 +216,13 @@ class Recorder(TorchDispatchMode):
         self.event_alloc.append(index)
         self.event_sign.append(sign)
         self.event_phase.append(self.phase)
+        if self.tags is not None:
+            tags = self.tags
+            tag = tags.block if tags.block >= 0 else tags.alloc[index]
+            tags.after_op.append(tags.last_op if tags.block < 0 and sign < 0 else -1)
+            if tag == DEFERRED:
+                self.tags.defer(self.tags.event, len(self.tags.event))
+            self.tags.event.append(tag)
 
     def index_of(self, tensor: torch.Tensor) -> int | None:
         try:
@@ -158,7 +231,8 @@ class Recorder(TorchDispatchMode):
             return None
 
     # ops -------------------------------------------------------------------------------
-    def _track_outputs(self, func: OpOverload, out: object) -> bool | tuple[bool, ...]:
+    def _track_outputs(self, func: OpOverload, out: object,
+                       args: Sequence[object] = ()) -> bool | tuple[bool, ...]:
         # Returns the schema marks as aliases (views, in-place and out= results) are storage
         # that already exists — possibly from before the trace, like the dataset tensor a
         # batch item is a view of; only the other returns can be new allocations.
@@ -167,11 +241,48 @@ class Recorder(TorchDispatchMode):
             return aliased
         returns = out if isinstance(out, (tuple, list)) else (out,)
         flags = aliased if isinstance(aliased, tuple) else (False,) * len(returns)
+        tags = self.tags
+        if tags is not None and tags.block < 0 and not self.quiet:
+            self._track_tagged(func, returns, flags, args)
+            return aliased
         for ret, is_alias in zip(returns, flags):
             if not is_alias:
                 for t in _tensors(ret, []):
                     self.track(t)
         return aliased
+
+    def _block_of(self, tensor: object) -> int:
+        if not isinstance(tensor, torch.Tensor) or self.tags is None:
+            return -1
+        view = self.tags.views.get(id(tensor))
+        if view is not None:
+            return view
+        index = self.index_of(tensor)
+        return -1 if index is None else self.tags.alloc[index]
+
+    def _track_tagged(self, func: OpOverload, returns: Sequence[object], flags: Sequence[bool],
+                      args: Sequence[object]) -> None:
+        """Track an op's outputs outside any block, each with the block its inputs say (see
+        :class:`BlockTags`)."""
+        assert self.tags is not None
+        tag = self._inputs_block(_tensors(args, []))
+        per_item = (func._overloadpacket.__name__.startswith("_foreach_") and args
+                    and isinstance(args[0], (list, tuple)))
+        first = args[0] if per_item else ()
+        assert isinstance(first, (list, tuple))
+        for j, (ret, is_alias) in enumerate(zip(returns, flags)):
+            if is_alias:
+                continue
+            if per_item and isinstance(ret, (list, tuple)):  # one of several returned lists
+                for i, t in enumerate(ret):
+                    self._pending = self._block_of(first[i]) if i < len(first) else -1
+                    for leaf in _tensors(t, []):
+                        self.track(leaf)
+            else:  # the j-th item of the one returned list, or an op's j-th return
+                self._pending = (self._block_of(first[j]) if j < len(first) else -1) if per_item else tag
+                for t in _tensors(ret, []):
+                    self.track(t)
+        self._pending = -1
 
     def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
                            kwargs: Mapping[str, object] | None = None) -> object:
@@ -189,7 +300,7 @@ class Recorder(TorchDispatchMode):
         in_tensors = _tensors(args, _tensors(kwargs, []))
         out_tensors = _tensors(out, [])
         before = len(self.alloc_bytes)
-        aliased = self._track_outputs(func, out)
+        aliased = self._track_outputs(func, out, args)
         new_bytes = sum(self.alloc_bytes[before:])
         flops = 0
         if packet in flop_registry:
@@ -209,7 +320,51 @@ class Recorder(TorchDispatchMode):
         self.ops.append(OpRecord(name, self.phase, flops, moved, dtype, new_bytes, moves))
         self.op_positions.append(len(self.event_alloc))
         self.op_new_bytes.append(new_bytes)
+        if self.tags is not None:
+            self._tag_op(before, in_tensors)
         return out
+
+    def _tag_op(self, before: int, in_tensors: list[torch.Tensor]) -> None:
+        """The op's block: the current block's, else its outputs' (all one block's), else its
+        inputs' (see :class:`BlockTags`)."""
+        tags = self.tags
+        assert tags is not None
+        if tags.block >= 0:
+            tags.op.append(tags.block)
+            return
+        made = set(tags.alloc[before:])
+        if made:
+            tag = made.pop() if len(made) == 1 else -1
+        else:
+            tag = self._inputs_block(in_tensors)
+        if tag == DEFERRED:
+            tags.defer(tags.op, len(tags.op))
+        else:
+            tags.resolve(tag)
+        tags.op.append(tag)
+        tags.last_op = tag
+
+    def _inputs_block(self, tensors: list[torch.Tensor]) -> int:
+        """The block of an op's inputs: theirs if one, -1 for several or one of none, DEFERRED
+        when no input was recorded (a factory op) or all wait for their block."""
+        assert self.tags is not None
+        blocks: set[int] = set()
+        untagged = False
+        views = self.tags.views
+        for t in tensors:
+            b = views.get(id(t), -3)
+            if b == -3:
+                index = self.index_of(t)
+                if index is None:
+                    continue
+                b = self.tags.alloc[index]
+            if b >= 0:
+                blocks.add(b)
+            elif b == -1:
+                untagged = True
+        if len(blocks) == 1:
+            return blocks.pop()
+        return -1 if blocks or untagged else DEFERRED
 
 
 _ALIASED: dict[OpOverload, bool | tuple[bool, ...]] = {}
@@ -311,6 +466,8 @@ class RecordingHooks(StepHooks):
     def phase(self, label: str, kind: str = "") -> None:
         self.labels.append(label)
         self.rec.phase = len(self.labels) - 1
+        if self.rec.tags is not None:
+            self.rec.tags.reset()
 
     def making_batch(self, on: bool) -> None:
         self.rec.quiet = on

@@ -34,7 +34,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
@@ -47,7 +47,7 @@ from ..runtime._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["simulated_ranks", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
+__all__ = ["simulated_ranks", "BucketObserver", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
            "FsdpUnits", "fsdp_units", "ddp_bucket_bytes"]
 
 _MB = 1024 * 1024
@@ -87,6 +87,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else t
 
 
+class BucketObserver(Protocol):
+    """What :class:`EmulatedDDP` tells of its buckets (``_depth.tagged_blocks`` listens)."""
+
+    def making(self, param: torch.Tensor | None) -> None:
+        """What follows is for ``param``'s gradient (a bucket is its first parameter's); None:
+        the buckets are made."""
+
+    def views(self, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The buckets were made: each parameter and its gradient's view."""
+
+
 class EmulatedDDP(nn.Module):
     """What ``DistributedDataParallel(gradient_as_bucket_view=True)`` allocates, on any tensors.
 
@@ -107,6 +118,8 @@ class EmulatedDDP(nn.Module):
         self._rebuilt = False
         self.buckets: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
+        self.observer: BucketObserver | None = None
+        """Told of each bucket made and of the gradient views in it (a trace tagging blocks)."""
         self._assign([sys.maxsize], list(range(len(self._params))))
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -118,15 +131,29 @@ class EmulatedDDP(nn.Module):
         groups, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
         # The reducer drops its buckets before allocating the new ones.
         self.buckets, self._views = [], {}
+        if self.observer is not None:
+            self.observer.views([])  # the old views are gone (their ids may be reused)
+        observer = self.observer
         for group in groups:
             members = [tensors[j] for j in group]
             total = sum(p.numel() for p in members)
+            if observer is not None:
+                observer.making(members[0])
             bucket = torch.empty(total, dtype=members[0].dtype, device=members[0].device)
             offset = 0
             for p in members:
+                if observer is not None:
+                    observer.making(p)
                 self._views[id(p)] = bucket[offset: offset + p.numel()].view(p.shape)
                 offset += p.numel()
             self.buckets.append(bucket)
+        if observer is not None:
+            observer.making(None)
+            observer.views(self.views())
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each parameter and the view of its gradient in its bucket."""
+        return [(p, self._views[id(p)]) for p in self._params if id(p) in self._views]
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from .._config import TrainConfig
 from .._errors import MemplanError, ModelFileError
@@ -31,6 +32,7 @@ from ..task._task import Task, _one_line
 from . import _cpu_offload
 from . import _simulated_ranks as _distributed
 from ._cuda_semantics import semantics_notes, trace_semantics
+from ._depth import DepthCut, checkpoint_cut, cut_stack, param_blocks, tagged_blocks
 from ._events import EventTable
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
 from ._profiler import allocated_bytes, event_tree, walk_events
@@ -40,7 +42,7 @@ from ._steady import RawEvents, drop_second_micro, repeat_first_step
 if TYPE_CHECKING:
     from torch.profiler import profile
 
-__all__ = ["Trace", "trace_step", "run_steps", "finish_trace", "DataDependentShapes"]
+__all__ = ["Trace", "TaggedRaw", "trace_step", "run_steps", "finish_trace", "DataDependentShapes"]
 
 
 class DataDependentShapes(MemplanError):
@@ -76,6 +78,25 @@ class Trace(EventTable):
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
     one device with accumulation >= 2; see ``estimators.tracing._steady.drop_second_micro``)."""
+    tagged: TaggedRaw | None = None
+    """A trace of a cut block stack (``trace_step(cut=...)``): the recorded events before the
+    later steps were derived, with the block of each (``estimators.tracing._compose``)."""
+
+
+@dataclass(eq=False, kw_only=True)
+class TaggedRaw:
+    """The events of a traced step as recorded, each allocation, event and op with its block
+    (-1: none; see ``_recorder.BlockTags``), and how :func:`finish_trace` makes them a trace."""
+
+    raw: RawEvents
+    alloc_block: list[int]
+    event_block: list[int]
+    event_after_op: list[int]
+    op_block: list[int]
+    derive: bool
+    """Were the later steps to be derived from the first (``_steady``)?"""
+    method: str
+    notes: tuple[str, ...]
 
 
 _DATA_DEPENDENT = (
@@ -101,6 +122,7 @@ def trace_step(
     batch_offset: int = 0,
     options: StepOptions | None = None,
     on_compute: OnCompute | None = None,
+    cut: DepthCut | None = None,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -128,6 +150,10 @@ def trace_step(
     attention backend of the card of compute ``capability``, bool dropout masks) and the
     optimizer its multi-tensor (foreach) implementation, as PyTorch's optimizers default to
     there.
+
+    ``cut`` traces the model with its block stack cut short (``_depth.DepthCut``; its own
+    blocks checkpointed instead of ``config.checkpoint_segments``), every event tagged with its
+    block: ``Trace.tagged``, from which ``_compose`` builds the trace of the whole stack.
     """
     b = batch_size or config.micro_batch_size
     options = options if options is not None else task.step
@@ -144,23 +170,32 @@ def trace_step(
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
                            synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
                            cuda=target == "cuda", capability=capability, batch_offset=batch_offset,
-                           options=options, on_compute=on_compute)
+                           options=options, on_compute=on_compute, cut=cut)
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,
                 synthesize: bool, foreach: bool, cuda: bool = False,
                 capability: tuple[int, int] | None = None, batch_offset: int = 0,
-                options: StepOptions | None = None, on_compute: OnCompute | None = None) -> Trace:
+                options: StepOptions | None = None, on_compute: OnCompute | None = None,
+                cut: DepthCut | None = None) -> Trace:
     # One device or FSDP2 on fake tensors: trace one step and derive the later ones (see _steady).
     derive = synthesize and config.strategy in ("single", "fsdp") and steps == 2
     traced_steps = 1 if derive else steps
     fake = None if real else fake_mode()
     mode: contextlib.AbstractContextManager[object] = fake if fake is not None else contextlib.nullcontext()
     quiet = contextlib.nullcontext() if real else quiet_fake_tensor_log()
+    kept: list[nn.Module] = []  # the blocks a cut keeps
+
+    def cut_model(m: nn.Module) -> None:
+        assert cut is not None
+        kept.extend(cut_stack(m, task.checkpoint_blocks, cut.keep))
+
     if fake is None:
         model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
+        if cut is not None:
+            cut_model(model)
     else:
-        model = build_fake_model(task, fake)
+        model = build_fake_model(task, fake, shape=cut_model if cut is not None else None)
     built: BuiltModel | None = None
     rec = Recorder()
     rec.label_ops = profile and real
@@ -169,17 +204,27 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     hooks = RecordingHooks(rec, phase_labels)
     prof = None
     semantics = None
+    tagging: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    owners: dict[int, int] = {}
     try:
+        built_config = config
+        if cut is not None:
+            checkpoint_cut(kept, cut, config.checkpoint_policy)
+            built_config = config.replace(checkpoint_segments=0, checkpoint_policy="full")
         # Wrapped before recording starts: the full model a rank holds before sharding is
         # not part of the step (training builds it sharded, or frees it before the first step).
-        built = build_for_training(task, config, "cpu", model=model, wrap=lambda m: _distributed.parallelize_simulated(
-            m, config, finder=task.checkpoint_blocks, mode=fake))
+        built = build_for_training(task, built_config, "cpu", model=model,
+                                   wrap=lambda m: _distributed.parallelize_simulated(
+                                       m, config, finder=task.checkpoint_blocks, mode=fake))
         model = built.wrapped
-        with mode, quiet:
-            sharded = [rec.track(p, Category.PARAMS) for p in model.parameters()]
+        if cut is not None:
+            owners = param_blocks(kept)
+            tagging = tagged_blocks(rec, kept, built.wrapped, owners)
+        with mode, quiet, tagging:
+            sharded = [_track_owned(rec, p, Category.PARAMS, owners) for p in model.parameters()]
             buf: torch.Tensor | None = None
             for buf in model.buffers():
-                rec.track(buf, Category.BUFFERS)
+                _track_owned(rec, buf, Category.BUFFERS, owners)
             for bucket in getattr(model, "buckets", ()):
                 rec.track(bucket, Category.GRADIENTS)
             # A loop variable would keep the last bucket alive past DDP's rebuild.
@@ -206,10 +251,22 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         raise _step_failed(exc, task, config, b, real=real) from exc
     finally:
         del model, built
+        kept.clear()
     notes = tuple(semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
     if options is not None and options.compile:
         notes += (_COMPILE_NOTE,)
     return _finished(rec, phase_labels, prof, config, b, "measured-cpu" if real else "traced", notes, derive=derive)
+
+
+def _track_owned(rec: Recorder, tensor: torch.Tensor, category: Category, owners: dict[int, int]) -> int | None:
+    """Track a parameter or buffer before the step, as its block's when blocks are tagged."""
+    if rec.tags is not None:
+        rec.tags.block = owners.get(id(tensor), -1)
+    try:
+        return rec.track(tensor, category)
+    finally:
+        if rec.tags is not None:
+            rec.tags.block = -1
 
 
 def _step_failed(exc: Exception, task: Task, config: TrainConfig, b: int, *, real: bool) -> MemplanError:
@@ -243,7 +300,14 @@ def _finished(rec: Recorder, phase_labels: list[str], prof: profile | None, conf
                     op_positions=rec.op_positions, host=rec.host,
                     op_workspace=_op_workspaces(prof, rec.op_new_bytes) if prof is not None else None,
                     resized=rec.resized)
-    return finish_trace(raw, config, b, method, notes, derive=derive)
+    trace = finish_trace(raw, config, b, method, notes, derive=derive)
+    if rec.tags is not None:
+        tags = rec.tags
+        trace.tagged = TaggedRaw(raw=raw, alloc_block=tags.alloc[:len(raw.alloc_bytes)],
+                                 event_block=tags.event[:kept], event_after_op=tags.after_op[:kept],
+                                 op_block=tags.op[:len(raw.ops)],
+                                 derive=derive, method=method, notes=notes)
+    return trace
 
 
 def finish_trace(raw: RawEvents, config: TrainConfig, b: int, method: str, notes: tuple[str, ...], *,

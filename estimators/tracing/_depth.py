@@ -1,0 +1,228 @@
+"""Tracing a model with its block stack cut short, each event tagged with its block.
+
+A transformer repeats one block 16 to 126 times, and a trace's time is mostly the blocks'.
+``_compose`` builds the trace of the whole stack from traces of the model cut to a few
+blocks; this module makes those traces:
+
+* :func:`block_differences` says whether the stack's blocks are the same module with the same
+  shapes (class, parameters, buffers and plain attributes of every submodule; an attribute
+  that only numbers the blocks, such as a layer index, may differ);
+* :func:`cut_stack` keeps the first ``keep`` blocks of the stack's container (a
+  ``ModuleList`` or ``Sequential``): forwards that iterate the container run those;
+* :func:`tagged_blocks` hooks the kept blocks so that the recorder knows whose forward or
+  backward runs (:class:`~estimators.tracing._recorder.BlockTags`).
+
+What a cut is traced with is :class:`DepthCut`: how many blocks are kept and which of them are
+checkpointed (the full model's checkpointed blocks are spread over its stack; a cut chooses
+its own so that every kind of neighbourhood the full stack has is in it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .._errors import MemplanError
+from ..runtime._checkpoint import BlockFinder, apply_checkpointing, find_block_stack
+from ._recorder import BlockTags, Recorder
+from ._simulated_ranks import EmulatedDDP
+
+__all__ = ["DepthCut", "NotComposable", "block_differences", "cut_stack", "tagged_blocks"]
+
+
+class NotComposable(MemplanError):
+    """The trace of the whole stack cannot be composed from traces of a cut one (the reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DepthCut:
+    """A model traced with its block stack cut to ``keep`` blocks, the blocks ``checkpointed``
+    (indices into the kept ones) checkpointed with the configuration's policy."""
+
+    keep: int
+    checkpointed: tuple[int, ...] = ()
+
+
+def _plain(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, tuple, torch.dtype, torch.device))
+
+
+def _signature(block: nn.Module) -> list[tuple[str, object]]:
+    """What must be equal between blocks: each submodule's class, parameters (shape, dtype,
+    requires_grad), buffers (shape, dtype) and plain attributes, by name."""
+    out: list[tuple[str, object]] = []
+    for name, module in block.named_modules():
+        out.append((f"{name}:class", type(module)))
+        for key, p in module._parameters.items():
+            out.append((f"{name}.{key}", None if p is None else (tuple(p.shape), p.dtype, p.requires_grad)))
+        for key, b in module._buffers.items():
+            out.append((f"{name}.{key}", None if b is None else (tuple(b.shape), b.dtype)))
+        for key, value in vars(module).items():
+            if key.startswith("_") or key == "training":
+                continue
+            if isinstance(value, (nn.Module, torch.Tensor)):
+                continue
+            # Plain values compare by value, anything else (a shared config object) by identity.
+            out.append((f"{name}.{key}" if name else key, value if _plain(value) else ("id", id(value))))
+    return out
+
+
+def block_differences(blocks: Sequence[nn.Module]) -> str | None:
+    """None when ``blocks`` are the same module with the same shapes; else what differs."""
+    if len({id(b) for b in blocks}) != len(blocks):
+        return "the block stack holds one module more than once"
+    signatures = [_signature(b) for b in blocks]
+    first = signatures[0]
+    for i, sig in enumerate(signatures[1:], start=1):
+        if [k for k, _ in sig] != [k for k, _ in first]:
+            return f"block {i} has other submodules, parameters or attributes than block 0"
+    for j, (key, _) in enumerate(first):
+        values = [sig[j][1] for sig in signatures]
+        if all(v == values[0] for v in values):
+            continue
+        numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if len(numbers) == len(values) and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            continue  # a layer index: numbers the blocks
+        i = next(i for i, v in enumerate(values) if v != values[0])
+        return f"blocks differ in {key} ({values[0]!r} in block 0, {values[i]!r} in block {i})"
+    return None
+
+
+def _container(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[nn.Module, list[str]]:
+    """The ModuleList or Sequential holding ``blocks`` as consecutive children, and their keys."""
+    ids = [id(b) for b in blocks]
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        keys = [k for k, child in module._modules.items() if child is not None and id(child) in set(ids)]
+        if len(keys) != len(blocks):
+            continue
+        order = list(module._modules)
+        positions = [order.index(k) for k in keys]
+        if [id(module._modules[k]) for k in keys] != ids or positions != list(range(positions[0],
+                                                                                    positions[0] + len(keys))):
+            raise NotComposable("the blocks are not consecutive, in order, in their container")
+        return module, keys
+    raise NotComposable("the blocks are not the children of one ModuleList or Sequential")
+
+
+def cut_stack(model: nn.Module, finder: BlockFinder | None, keep: int) -> list[nn.Module]:
+    """Cut the model's block stack to its first ``keep`` blocks, in place; the kept blocks."""
+    blocks = find_block_stack(model, finder)
+    if len(blocks) < keep:
+        raise NotComposable(f"the stack has {len(blocks)} blocks, fewer than the {keep} to keep")
+    container, keys = _container(model, blocks)
+    dropped = set(keys[keep:])
+    kept = [(k, m) for k, m in container._modules.items() if k not in dropped and m is not None]
+    if isinstance(container, nn.ModuleList):
+        container._modules = OrderedDict((str(i), m) for i, (_, m) in enumerate(kept))
+    else:
+        container._modules = OrderedDict(kept)
+    after = find_block_stack(model, finder)
+    if [id(b) for b in after] != [id(b) for b in blocks[:keep]]:
+        raise NotComposable("the block finder does not find the cut stack's blocks")
+    return list(blocks[:keep])
+
+
+def checkpoint_cut(blocks: Sequence[nn.Module], cut: DepthCut, policy: str) -> None:
+    """Checkpoint the cut's chosen blocks (the trace then builds with no segments of its own)."""
+    chosen = [blocks[i] for i in cut.checkpointed]
+    if chosen:
+        apply_checkpointing(nn.Module(), len(chosen), lambda _m: chosen, policy=policy)
+
+
+def _first_grad_tensor(value: object) -> torch.Tensor | None:
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.grad_fn is not None:
+            return leaf
+    return None
+
+
+class _BucketTags:
+    """Tags DDP's buckets and gradient views (:class:`~._simulated_ranks.BucketObserver`): a
+    bucket is its first parameter's block's, a gradient view its parameter's."""
+
+    def __init__(self, tags: BlockTags, owners: dict[int, int]) -> None:
+        self.tags, self.owners = tags, owners
+
+    def making(self, param: torch.Tensor | None) -> None:
+        self.tags.block = -1 if param is None else self.owners.get(id(param), -1)
+
+    def views(self, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.tags.views.clear()
+        for param, view in views:
+            block = self.owners.get(id(param), -1)
+            if block >= 0:
+                self.tags.views[id(view)] = block
+
+
+@contextlib.contextmanager
+def tagged_blocks(rec: Recorder, blocks: Sequence[nn.Module], wrapped: nn.Module | None = None,
+                  owners: dict[int, int] | None = None) -> Iterator[BlockTags]:
+    """Tag what the recorder records with the block whose forward or backward runs.
+
+    A block's forward runs between its pre-hook (first of its pre-hooks, before FSDP2's
+    unshard) and its forward hook (after FSDP2's reshard); its backward from when the gradient
+    of its output is complete (before FSDP2's hook there) until that of the next block down,
+    the first block's until the gradient of its input is. Hooks on tensors and modules
+    allocate nothing. DDP's (``wrapped``, an ``EmulatedDDP``) buckets and gradient views get
+    the blocks of their parameters (``owners``, :func:`param_blocks`)."""
+    tags = rec.tags = BlockTags()
+    ddp = wrapped if isinstance(wrapped, EmulatedDDP) else None
+    if ddp is not None:
+        ddp.observer = _BucketTags(tags, owners or {})
+        ddp.observer.views(ddp.views())
+    outputs: set[int] = set()
+
+    def set_block(i: int) -> None:
+        tags.enter(i)
+
+    def pre(i: int) -> object:
+        def hook(module: nn.Module, args: object, kwargs: object) -> None:
+            tags.enter(i)
+            if i == 0:
+                t = _first_grad_tensor((args, kwargs))
+                if t is not None and id(t) not in outputs:
+                    t.register_hook(lambda _g: set_block(-1))
+        return hook
+
+    def marked(i: int) -> object:
+        def hook(module: nn.Module, args: object, kwargs: object, output: object) -> None:
+            t = _first_grad_tensor(output)
+            if t is not None:
+                outputs.add(id(t))
+                t.register_hook(lambda _g: set_block(i))
+        return hook
+
+    def post(module: nn.Module, args: object, kwargs: object, output: object) -> None:
+        tags.enter(-1)
+
+    handles = []
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(pre(i), prepend=True, with_kwargs=True))  # type: ignore[arg-type]
+        # The output's hook goes first, before FSDP2's pre-backward (which unshards this block
+        # and prefetches the next one down): that work is this block's.
+        handles.append(block.register_forward_hook(marked(i), prepend=True, with_kwargs=True))  # type: ignore[arg-type]
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield tags
+    finally:
+        for h in handles:
+            h.remove()
+        if ddp is not None:
+            ddp.observer = None
+
+
+def param_blocks(blocks: Sequence[nn.Module]) -> dict[int, int]:
+    """id of each parameter and buffer of the blocks -> its block."""
+    out: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for t in (*block.parameters(), *block.buffers()):
+            out.setdefault(id(t), i)
+    return out
