@@ -175,16 +175,21 @@ class Estimator:
     """Estimates configurations of one task on one target, caching traces.
 
     Thread-safe for concurrent ``estimate`` calls (a lock serialises tracing).
+    ``compose_blocks`` (default: on unless ``MEMPLAN_FULL_TRACE=1``) composes the fake trace
+    of a deep block stack from traces of the model cut to a few blocks, checked against each
+    other (``tracing._compose``); an estimate's notes say when, or why a deep stack was traced
+    whole.
     """
 
     def __init__(
-        self, task: Task, *, device: str | None = None, gpu: str | None = None, shape_policy: str | None = None
+        self, task: Task, *, device: str | None = None, gpu: str | None = None, shape_policy: str | None = None,
+        compose_blocks: bool | None = None,
     ) -> None:
         self.task = task.with_shape_policy(shape_policy) if shape_policy is not None else task
         self._shape_estimators: dict[str, Estimator] = {}
         self.device, self.spec = resolve_target(device, gpu)
         self._lock = threading.RLock()
-        self._traces = TraceSource(self.task, self.device, self.spec, self._lock)
+        self._traces = TraceSource(self.task, self.device, self.spec, self._lock, compose_blocks=compose_blocks)
         self._scaler = BatchScaling(self._traces, self._lock)
         self._facts: ModelFacts | None = None
         self._rates: DeviceRates | None = None
@@ -393,6 +398,7 @@ class Estimator:
                         self.task.with_shape_policy(label),
                         device=self.device,
                         gpu=self.spec.name if self.spec is not None else None,
+                        compose_blocks=self._traces.compose_blocks,
                     )
                 other = sub.estimate(config, exact=True)
             assert other.batch_shapes is not None

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from .._config import TrainConfig
 from ..memory._workspace import WORKSPACE_ANCHORS
+from ..tracing._compose import CutTracer, stack_facts
+from ..tracing._depth import DepthCut
 from ..tracing._trace import Trace
 from ..tracing._trace_worker import TraceWorker, WorkerDied, worker_available
 
@@ -33,16 +35,21 @@ if TYPE_CHECKING:
     from ..task._task import Task
     from ._traces import ShapeKey, TraceKey
 
-__all__ = ["PARALLEL_TRACE_S", "Prefetching"]
+__all__ = ["PARALLEL_CUT_PARAMS", "PARALLEL_TRACE_S", "Prefetching"]
 
 PARALLEL_TRACE_S = 1.0
-"""Fake traces taking at least this long share batch-scaling anchors with a worker process."""
+"""Fake traces taking at least this long share batch-scaling anchors with a worker process
+(and a composed trace's two cuts, ``_cut_tracer``)."""
+
+PARALLEL_CUT_PARAMS = 500_000_000
+"""Before any trace of a model says how long they take: models this large trace a composed
+trace's two cuts on both cores."""
 
 
 class Prefetching:
     """The worker half of a ``TraceSource``: the worker, its queue and what it sent back.
 
-    The host class provides ``task``, ``device``, ``_lock``, ``_data_dependent``,
+    The host class provides ``task``, ``device``, ``compose_blocks``, ``_lock``, ``_data_dependent``,
     ``_fake_traced``, ``_last_fake_trace_s``, ``workspace_fits`` and the methods
     ``prepared``, ``have``, ``shape_key``, ``_capability``, ``_raw_trace``, ``_keep_derived``
     and ``_prepare``.
@@ -57,6 +64,7 @@ class Prefetching:
         self._queue: list[tuple[TraceKey, TrainConfig, int]] = []  # fake traces not yet handed out
         self._fetched: dict[TraceKey, Trace] = {}
         self._ahead: list[tuple[str, TrainConfig, int]] = []
+        self._anchor_in_flight = False  # the worker traces a batch-scaling anchor (trace_in_parallel)
 
     def can_prefetch(self) -> bool:
         """Is a worker process worth starting for a prefetch (two cores, fake traces)?"""
@@ -87,7 +95,7 @@ class Prefetching:
         while self._queue and self._worker is not None and len(self._pending) < 2:
             key, config, a = self._queue.pop(0)
             try:
-                self._pending[key] = self._worker.submit(config, a, self.device, self._capability())
+                self._pending[key] = self._worker.submit(config, a, self.device, self._capability(), self.compose_blocks)
             except Exception:  # noqa: BLE001 - the worker is gone: this process traces alone
                 self._drop_worker()
 
@@ -187,15 +195,58 @@ class Prefetching:
         try:
             if self._worker is None or not self._worker.alive():
                 self._worker = TraceWorker(self.task)
-            self._worker.submit(config, remote, self.device, self._capability())
+            self._worker.submit(config, remote, self.device, self._capability(), self.compose_blocks)
         except Exception:  # noqa: BLE001 - no worker: trace alone
             self._drop_worker()
             return
+        self._anchor_in_flight = True
         try:
             for b in missing[:-1]:
                 self.prepared(config, b)
         finally:
+            self._anchor_in_flight = False
             self._take_parallel(shape_key, remote)
+
+    def _cut_tracer(self, config: TrainConfig, batch: int, trace_step: Callable[..., Trace]) -> CutTracer | None:
+        """How the two cuts of a composed trace are traced: the shallow one in the worker while
+        this process traces the deep one, for a model whose traces take long enough (its last
+        fake trace, or before any, its size), when no prefetch is in flight; else None (here,
+        one after the other)."""
+        large = (self._last_fake_trace_s >= PARALLEL_TRACE_S if self._last_fake_trace_s
+                 else stack_facts(self.task).params >= PARALLEL_CUT_PARAMS)
+        if (not large or self._pending or self._queue or self._anchor_in_flight or self._worker_failed
+                or not worker_available() or (os.cpu_count() or 1) < 2):
+            return None
+
+        def trace(deep: DepthCut, shallow: DepthCut) -> tuple[Trace, Trace]:
+            def here(cut: DepthCut) -> Trace:
+                return trace_step(self.task, config, batch_size=batch, target=self.device,
+                                  capability=self._capability(), cut=cut)
+
+            try:
+                if self._worker is None or not self._worker.alive():
+                    self._worker = TraceWorker(self.task)
+                self._worker.submit(config, batch, self.device, self._capability(), False, shallow)
+            except Exception:  # noqa: BLE001 - no worker: both cuts here
+                self._drop_worker()
+                return here(deep), here(shallow)
+            shallow_trace: Trace | None = None
+            try:
+                deep_trace = here(deep)
+            finally:
+                # Taken even when the deep cut failed: the worker answers in order.
+                try:
+                    shallow_trace = self._worker.result(timeout_s=max(120.0, 20 * self._last_fake_trace_s))
+                except WorkerDied:
+                    self._drop_worker()
+                except Exception:  # noqa: BLE001 - traced here again, which raises it properly
+                    pass
+            if (shallow_trace is None or shallow_trace.tagged is None or shallow_trace.batch_size != batch
+                    or shallow_trace.config != config):
+                shallow_trace = here(shallow)
+            return deep_trace, shallow_trace
+
+        return trace
 
     def _take_parallel(self, shape_key: ShapeKey, remote: int) -> None:
         """Keep the worker's trace of ``remote`` (if it made one) with this process's."""
@@ -233,6 +284,7 @@ class Prefetching:
         _data_dependent: bool
         _fake_traced: bool
         _last_fake_trace_s: float
+        compose_blocks: bool
         _prepared: dict[TraceKey, Prepared]
         workspace_fits: WorkspaceFits
 

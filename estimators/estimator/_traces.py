@@ -23,6 +23,7 @@ from ..memory._prepare import Prepared, prepare
 from ..memory._workspace import WORKSPACE_ANCHORS
 from ..memory._workspace_cache import DIVERGED, WorkspaceFits
 from ..task._task import Task
+from ..tracing._compose import compose_enabled, trace_composed
 from ..tracing._trace import DataDependentShapes, Trace, trace_step
 from ._prefetch import Prefetching
 
@@ -48,8 +49,12 @@ moe_dynamic the largest seen alone fell 0.46% below a real epoch's peak; x1.1 ju
 class TraceSource(Prefetching):
     """Prepared traces of ``task`` per (shape, micro-batch size), for one target device."""
 
-    def __init__(self, task: Task, device: str, spec: GPUSpec | None, lock: threading.RLock) -> None:
+    def __init__(self, task: Task, device: str, spec: GPUSpec | None, lock: threading.RLock, *,
+                 compose_blocks: bool | None = None) -> None:
         self.task, self.device, self.spec = task, device, spec
+        self.compose_blocks = compose_enabled() if compose_blocks is None else compose_blocks
+        """Compose a deep block stack's fake traces from traces of the model cut short
+        (``tracing._compose``); off with ``MEMPLAN_FULL_TRACE=1``."""
         self._lock = lock
         self._prepared: dict[TraceKey, Prepared] = {}
         # Traces of accumulation 1 derived from traces of accumulation 2, not yet prepared.
@@ -117,8 +122,13 @@ class TraceSource(Prefetching):
         if not self._data_dependent:
             try:
                 start = time.perf_counter()
-                trace = trace_step(self.task, config, batch_size=batch, target=self.device,
-                                   capability=self._capability())
+                if self.compose_blocks:
+                    trace = trace_composed(self.task, config, batch_size=batch, target=self.device,
+                                           capability=self._capability(), trace=trace_step,
+                                           trace_cuts=self._cut_tracer(config, batch, trace_step))
+                else:
+                    trace = trace_step(self.task, config, batch_size=batch, target=self.device,
+                                       capability=self._capability())
                 self._last_fake_trace_s = time.perf_counter() - start
                 self._fake_traced = True
                 return trace

@@ -30,12 +30,15 @@ import torch
 
 from .._config import TrainConfig
 from ..task._task import Task
+from ._compose import trace_composed
+from ._depth import DepthCut
 from ._trace import Trace, trace_step
 
 __all__ = ["TraceWorker", "worker_available", "close_all"]
 
-_Request: TypeAlias = "tuple[int, TrainConfig, int, str, tuple[int, int] | None] | None"
-"""(ticket, configuration, batch size, target, capability) to trace; None stops the worker."""
+_Request: TypeAlias = "tuple[int, TrainConfig, int, str, tuple[int, int] | None, bool, DepthCut | None] | None"
+"""(ticket, configuration, batch size, target, capability, compose the block stack, a cut to
+trace instead) to trace; None stops the worker."""
 
 _Reply: TypeAlias = "tuple[int, str, str | BaseException]"
 """(ticket, "file", the path the trace was pickled to) or (ticket, "error", the exception)."""
@@ -86,11 +89,13 @@ class TraceWorker:
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn, self._dir)
 
     def submit(self, config: TrainConfig, batch_size: int, target: str,
-               capability: tuple[int, int] | None = None) -> int:
-        """Queue a trace; returns its ticket (results come back in ticket order)."""
+               capability: tuple[int, int] | None = None, compose: bool = False, cut: DepthCut | None = None) -> int:
+        """Queue a trace (``compose``: of the block stack composed where it can be, see
+        ``_compose.trace_composed``; ``cut``: of the model cut short, ``_depth``); returns its
+        ticket (results come back in ticket order)."""
         ticket = self._next_ticket
         try:
-            self._conn.send((ticket, config, batch_size, target, capability))
+            self._conn.send((ticket, config, batch_size, target, capability, compose, cut))
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise WorkerDied(str(exc)) from exc
         self._next_ticket += 1
@@ -167,9 +172,14 @@ def _serve(task: Task, conn: Connection[_Reply, _Request], directory: str) -> No
             return
         if request is None:
             return
-        ticket, config, batch_size, target, capability = request
+        ticket, config, batch_size, target, capability, compose, cut = request
         try:
-            trace = trace_step(task, config, batch_size=batch_size, target=target, capability=capability)
+            if cut is not None:
+                trace = trace_step(task, config, batch_size=batch_size, target=target, capability=capability, cut=cut)
+            elif compose:
+                trace = trace_composed(task, config, batch_size=batch_size, target=target, capability=capability)
+            else:
+                trace = trace_step(task, config, batch_size=batch_size, target=target, capability=capability)
             path = os.path.join(directory, f"{ticket}.pkl")
             with open(path + ".tmp", "wb") as f:
                 pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
