@@ -62,7 +62,10 @@ _ANSWERS = frozenset({"estimate", "failed", "pruned"})
 """The user attributes of a trial that answered its configuration (``Objective.answer``)."""
 
 _POLL_S = 0.2
-"""How often a waiting process looks at the study again."""
+"""How often a trial waiting for its configuration's owner looks again."""
+
+_IDLE_S = 0.5
+"""How often a process with nothing to answer looks at the study again."""
 
 
 def shares_storage(url: str | None, shared: bool | None) -> bool:
@@ -90,55 +93,120 @@ def grace_period() -> tuple[int, int]:
     return max(1, grace // 10), grace
 
 
-def _config_key(config: TrainConfig) -> str:
+def _key(kind: str, config: TrainConfig) -> str:
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(f"{kind}:{json.dumps(config.to_dict(), sort_keys=True)}".encode()).hexdigest()
+
+
+def _config_key(config: TrainConfig) -> str:
+    return _key("config", config)
+
+
+def _group_key(config: TrainConfig) -> str:
+    """The configurations that share their traces: all but the micro-batch size and the
+    accumulation (the estimator traces a shape at two or three micro-batch sizes and scales the
+    rest; accumulation 1 takes its traces from accumulation 2's)."""
+    return _key("group", config.replace(micro_batch_size=1, grad_accum_steps=1))
 
 
 class _Claims:
-    """The claims of one study's configurations: (study, configuration) -> owning trial."""
+    """Claims in one study, a row each in ``memplan_claims``: a configuration's owning trial
+    (``trial_number``), and a group's holding process (``worker``, with a lease the holder
+    renews, ``renewals``, at each configuration of it it takes)."""
 
     def __init__(self, engine: sa.Engine, study_name: str) -> None:
         self.engine = engine
         self.study = study_name
         meta = sa.MetaData()
         self.table = sa.Table(
-            "memplan_config_claims", meta,
+            "memplan_claims", meta,
             sa.Column("study_name", sa.String(512), primary_key=True),
-            sa.Column("config_sha256", sa.String(64), primary_key=True),
-            sa.Column("trial_number", sa.Integer, nullable=False),
+            sa.Column("claim_sha256", sa.String(64), primary_key=True),
+            sa.Column("trial_number", sa.Integer, nullable=True),
+            sa.Column("worker", sa.String(255), nullable=True),
+            sa.Column("renewals", sa.Integer, nullable=True),
         )
         meta.create_all(engine)  # a race with another process's CREATE: SharedStudy opens again
+        self._leases: dict[str, tuple[tuple[str, int], float]] = {}
+        """Each group held by another process: (holder, renewals) as last seen, and since when."""
+
+    def _where(self, key: str) -> Any:
+        t = self.table
+        return sa.and_(t.c.study_name == self.study, t.c.claim_sha256 == key)
+
+    def _insert(self, key: str, **values: Any) -> bool:
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(self.table.insert().values(study_name=self.study, claim_sha256=key, **values))
+            return True
+        except sa.exc.IntegrityError:
+            return False
 
     def claim(self, key: str, number: int) -> int:
         """The trial that owns ``key``: ``number`` when its insert came first."""
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(self.table.insert().values(study_name=self.study, config_sha256=key, trial_number=number))
+        if self._insert(key, trial_number=number):
             return number
-        except sa.exc.IntegrityError:
-            owner = self.owner(key)
-            assert owner is not None  # claims are never deleted
-            return owner
+        owner = self.owner(key)
+        assert owner is not None  # claims are never deleted
+        return owner
 
     def owner(self, key: str) -> int | None:
-        t = self.table
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(t.c.trial_number).where(
-                t.c.study_name == self.study, t.c.config_sha256 == key)).first()
-        return None if row is None else int(row[0])
+            row = conn.execute(sa.select(self.table.c.trial_number).where(self._where(key))).first()
+        return None if row is None or row[0] is None else int(row[0])
 
     def take_over(self, key: str, dead: int, number: int) -> bool:
         """Move the claim of ``key`` from the failed trial ``dead`` to ``number``; False when
         another process moved it first."""
         t = self.table
         with self.engine.begin() as conn:
-            done = conn.execute(t.update().where(
-                t.c.study_name == self.study, t.c.config_sha256 == key, t.c.trial_number == dead,
-            ).values(trial_number=number))
+            done = conn.execute(t.update().where(self._where(key), t.c.trial_number == dead).values(trial_number=number))
         return done.rowcount == 1
+
+    def hold(self, key: str, worker: str, grace: float) -> bool:
+        """Hold the group ``key`` for ``worker`` (and renew its lease): True when it was free,
+        is ``worker``'s, or its holder let the lease go unrenewed for ``grace`` seconds (as
+        this process's clock saw it: no two machines' clocks are compared)."""
+        t = self.table
+        if self._insert(key, worker=worker, renewals=0):
+            return True
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(t.c.worker, t.c.renewals).where(self._where(key))).first()
+            assert row is not None
+            holder, renewals = str(row[0]), int(row[1])
+            if holder == worker:
+                conn.execute(t.update().where(self._where(key), t.c.worker == worker).values(renewals=renewals + 1))
+                return True
+        seen = self._leases.get(key)
+        if seen is None or seen[0] != (holder, renewals):
+            self._leases[key] = ((holder, renewals), time.monotonic())
+            return False
+        if time.monotonic() - seen[1] < grace:
+            return False
+        with self.engine.begin() as conn:  # compare-and-swap: only one process takes it over
+            done = conn.execute(t.update().where(self._where(key), t.c.worker == holder, t.c.renewals == renewals)
+                                .values(worker=worker, renewals=renewals + 1))
+        return done.rowcount == 1
+
+
+class ChosenSampler(optuna.samplers.BaseSampler):
+    """Asks for the configuration the process chose (``params``), where a process chooses
+    what to answer next (an enumerated shared space); an enqueued or retried trial keeps its
+    own parameters."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, Any] = {}
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
+        return {}
+
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any) -> Any:
+        return self.params[param_name]
 
 
 class SharedStudy:
@@ -176,6 +244,8 @@ class SharedStudy:
                         raise
                     raise ConfigError(_cannot_open(storage, exc, STORAGE_HINT)) from None
         self.name = name
+        self.sampler = sampler
+        self.grace = grace
         self.study_id = self.storage.get_study_id_from_name(name)
         recorded = self.study.user_attrs.get("memplan_key")
         if recorded is None:
@@ -250,14 +320,14 @@ def _objective(shared: SharedStudy, objective: Objective, *, trials: int,
         config = objective.config_of(trial)  # the parameters are in the storage from here on
         if not exhaustive and shared.closed(trials):
             raise optuna.TrialPruned("the shared study has its trials")
-        shared.refresh(objective)
         key = _config_key(config)
-        owner = None if config in shared.answered else shared.claims.claim(key, trial.number)
+        stored = shared.answered.get(config)  # answered already (as of the last look)
+        owner = None if stored is not None else shared.claims.claim(key, trial.number)
         last_check = time.monotonic()
         while owner is not None and owner != trial.number:
             other = shared.trial(owner)
             if other.state == TrialState.COMPLETE:
-                shared.refresh(objective)
+                stored = other
                 break
             if other.state.is_finished():  # failed (its process died or was interrupted): answer it here
                 owner = trial.number if shared.claims.take_over(key, owner, trial.number) else shared.claims.owner(key)
@@ -266,10 +336,8 @@ def _objective(shared: SharedStudy, objective: Objective, *, trials: int,
             if time.monotonic() - last_check >= 1.0:
                 shared.fail_stale()  # an owner that stopped beating is failed, and retried
                 last_check = time.monotonic()
-        if owner != trial.number:
-            stored = shared.answered.get(config) or (shared.trial(owner) if owner is not None else None)
-            if stored is not None and _ANSWERS & set(stored.user_attrs):
-                return _copy(trial, stored)
+        if owner != trial.number and stored is not None and _ANSWERS & set(stored.user_attrs):
+            return _copy(trial, stored)
         value = objective.answer(trial, config)
         trial.set_user_attr("worker", shared.worker)  # after answering: a retried trial does not inherit it
         return value
@@ -303,8 +371,10 @@ def run_shared(shared: SharedStudy, objective: Objective, *, trials: int, exhaus
             study.stop()
 
     def run(n_trials: int, show: bool) -> None:
+        # An enumerated space's loop looks at the study between trials itself.
+        callbacks = [] if exhaustive else [stop_when_done]
         try:
-            shared.study.optimize(func, n_trials=n_trials, show_progress_bar=show, catch=(), callbacks=[stop_when_done])
+            shared.study.optimize(func, n_trials=n_trials, show_progress_bar=show, catch=(), callbacks=callbacks)
         except optuna.exceptions.UpdateFinishedTrialError:
             # This trial went without a beat for the grace period: another process failed it
             # and answers its configuration. A longer MEMPLAN_STUDY_GRACE_S avoids that.
@@ -315,13 +385,15 @@ def run_shared(shared: SharedStudy, objective: Objective, *, trials: int, exhaus
     interrupted = False
     try:
         shared.refresh(objective)
-        if not answered_enough():
-            from ._study import enqueue_corners  # ._study imports this module
+        if exhaustive:
+            _answer_by_groups(shared, objective, configs, params, run)
+        else:
+            if not answered_enough():
+                from ._study import enqueue_corners  # ._study imports this module
 
-            enqueue_corners(shared.study, space, shared.answered)
-            run(len(configs) if exhaustive else trials, progress)
-        _wait_for_the_rest(shared, objective, configs, params, trials=trials, exhaustive=exhaustive,
-                           answered_enough=answered_enough, run=run)
+                enqueue_corners(shared.study, space, shared.answered)
+                run(trials, progress)
+            _wait_for_the_sampled(shared, objective, trials=trials, answered_enough=answered_enough, run=run)
     except KeyboardInterrupt:
         interrupted = True  # this process's running trial fails; another process answers it
     finally:
@@ -332,42 +404,64 @@ def run_shared(shared: SharedStudy, objective: Objective, *, trials: int, exhaus
     return interrupted
 
 
-def _wait_for_the_rest(shared: SharedStudy, objective: Objective, configs: list[TrainConfig],
-                       params: dict[TrainConfig, dict[str, object]], *, trials: int, exhaustive: bool,
-                       answered_enough: Callable[[], bool], run: Callable[[int, bool], None]) -> None:
-    """Until the study is complete: wait for the other processes' running trials, and answer
-    here what none is answering (a dead process's configurations, or any the sampler left)."""
+def _answer_by_groups(shared: SharedStudy, objective: Objective, configs: list[TrainConfig],
+                      params: dict[TrainConfig, dict[str, object]], run: Callable[[int, bool], None]) -> None:
+    """An enumerated space, answered a group of configurations at a time (``_group_key``: those
+    whose traces are one shape's) until every configuration is answered: each process holds a
+    group and answers its configurations, then holds the next free one, so that a shape is
+    traced by one process. With no group free, a process waits; a group whose holder stopped
+    renewing it for the grace period (a dead process) is taken over, and trials enqueued again
+    (a dead process's, retried) are answered by whoever looks first."""
+    assert isinstance(shared.sampler, ChosenSampler)
+    groups: dict[str, list[TrainConfig]] = {}
+    for config in configs:
+        groups.setdefault(_group_key(config), []).append(config)
+    held: str | None = None
     while True:
         shared.fail_stale()
         shared.refresh(objective)
         if objective.broken:
             return
-        if not exhaustive:
-            if answered_enough():
-                shared.close(trials)
-            if shared.closed(trials):
-                # A trial still writing its parameters reads the close after them, and is
-                # pruned: only those with a whole configuration may still answer.
-                running = shared.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if not any(True for _ in _configs_of(objective, running)):
-                    return
-                time.sleep(_POLL_S)
-                continue
-            run(1, False)  # still short of the budget (a trial cut short elsewhere)
-            continue
-        missing = [c for c in configs if c not in shared.answered]
-        if not missing:
+        if all(c in shared.answered for c in configs):
             return
         pending = shared.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
-        busy = set(_configs_of(objective, pending))
-        idle = [c for c in missing if c not in busy]
         waiting = sum(1 for t in pending if t.state == TrialState.WAITING)
-        if not idle and not waiting:
-            time.sleep(_POLL_S)
+        if waiting:
+            run(waiting, False)
             continue
-        for config in idle:
-            shared.study.enqueue_trial(params[config])
-        run(len(idle) + waiting, False)
+        busy = set(_configs_of(objective, pending))
+        todo = {g: [c for c in group if c not in shared.answered and c not in busy] for g, group in groups.items()}
+        if held is not None and not (todo[held] and shared.claims.hold(held, shared.worker, shared.grace)):
+            held = None
+        if held is None:
+            held = next((g for g in groups if todo[g] and shared.claims.hold(g, shared.worker, shared.grace)), None)
+        if held is None:
+            time.sleep(_IDLE_S)  # every group left is another live process's
+            continue
+        shared.sampler.params = params[todo[held][0]]
+        run(1, False)
+
+
+def _wait_for_the_sampled(shared: SharedStudy, objective: Objective, *, trials: int,
+                          answered_enough: Callable[[], bool], run: Callable[[int, bool], None]) -> None:
+    """A sampled space, until ``trials`` configurations are answered: the study is then closed,
+    and complete once no trial with a whole configuration runs."""
+    while True:
+        shared.fail_stale()
+        shared.refresh(objective)
+        if objective.broken:
+            return
+        if answered_enough():
+            shared.close(trials)
+        if shared.closed(trials):
+            # A trial still writing its parameters reads the close after them, and is pruned:
+            # only those with a whole configuration may still answer.
+            running = shared.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if not any(True for _ in _configs_of(objective, running)):
+                return
+            time.sleep(_IDLE_S)
+            continue
+        run(1, False)  # still short of the budget (a trial cut short elsewhere)
 
 
 def _configs_of(objective: Objective, trials: Iterable[FrozenTrial]) -> Iterable[TrainConfig]:

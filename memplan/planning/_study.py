@@ -35,7 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 from estimators import ConfigError, Estimator, Task, TrainConfig
 
 from .._version import __version__
-from ._shared import SharedStudy
+from ._shared import ChosenSampler, SharedStudy
 from ._space import SearchSpace
 
 __all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners", "check_storage", "STORAGE_HINT",
@@ -180,8 +180,9 @@ def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, 
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler: optuna.samplers.BaseSampler
         if shared:
-            sampler = (optuna.samplers.BruteForceSampler() if exhaustive
-                       else optuna.samplers.TPESampler(constant_liar=True))  # a running trial counts as asked
+            # An enumerated space: each process chooses what it answers (by groups that share
+            # their traces); a sampled one: TPE, a running trial counting as asked.
+            sampler = ChosenSampler() if exhaustive else optuna.samplers.TPESampler(constant_liar=True)
             return SharedStudy(name=name, storage=storage or default_storage(), sampler=sampler, key=key,
                                check_key=study_name is not None), exhaustive
         sampler = optuna.samplers.BruteForceSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)

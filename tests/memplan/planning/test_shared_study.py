@@ -182,7 +182,7 @@ def test_one_process_on_sqlite_runs_in_memory_without_claims(one_process):
     _, plan, storage = one_process
     study = _study(storage)
     assert len({tuple(sorted(t.params.items())) for t in study.get_trials(states=(TrialState.COMPLETE,))}) == CONFIGS
-    assert "memplan_config_claims" not in sa.inspect(sa.create_engine(storage)).get_table_names()
+    assert "memplan_claims" not in sa.inspect(sa.create_engine(storage)).get_table_names()
     assert plan["trials"] == CONFIGS
 
 
@@ -218,6 +218,16 @@ def test_claims_go_to_the_first_and_move_only_from_a_failed_owner(postgres_url):
     assert not b.claims.take_over("config", 5, 7)  # only from the owner it saw fail
     assert b.claims.take_over("config", 3, 7) and not a.claims.take_over("config", 3, 9)
     assert a.claims.owner("config") == 7
+    # A group is held by one process, renewed as it goes, and taken over once not renewed for
+    # the grace period (as the taker's clock sees it).
+    assert a.claims.hold("group", "a", grace=0.3) and a.claims.hold("group", "a", grace=0.3)
+    assert not b.claims.hold("group", "b", grace=0.3)
+    time.sleep(0.35)
+    assert a.claims.hold("group", "a", grace=0.3)
+    assert not b.claims.hold("group", "b", grace=0.3)  # renewed since b last looked: a is alive
+    time.sleep(0.35)
+    assert b.claims.hold("group", "b", grace=0.3)  # a renewed nothing for 0.35 s
+    assert not a.claims.hold("group", "a", grace=10)
     with pytest.raises(ConfigError, match="holds another search"):
         open_("other")  # a named study refuses other inputs
     open_("other", check=False)  # a study named by its inputs' hash is those inputs
