@@ -8,18 +8,24 @@ and the same inputs open the same study and split its configurations between the
   (``MEMPLAN_STUDY_GRACE_S``, default 30 s; a beat every tenth of it, at least 1 s) is failed
   by whichever process looks next, and ``RetryHeartbeatStaleTrialCallback`` enqueues it again.
 * Each configuration is answered by one trial: before estimating, a trial claims its
-  configuration in the table ``memplan_config_claims`` of the same database (a row per study
-  and configuration; the primary key makes the first insert win, in any RDB). A trial that
+  configuration in the table ``memplan_claims`` of the same database (a row per study and
+  configuration; the primary key makes the first insert win, in any RDB). A trial that
   loses the claim estimates nothing: it waits for the owner's trial and copies its answer
   (value, constraint, estimate; ``same_as`` names the owner), or, when the owner's trial
   failed (its process died), takes the claim over (a compare-and-swap ``UPDATE``) and answers
   itself. A configuration some trial already answered is copied without a claim. The owner
   records ``worker`` (host:pid) on its trial.
+* An enumerated space (no larger than ``trials``) is split by groups of configurations that
+  share their traces (all but the micro-batch size and the accumulation: the estimator traces
+  a shape at two or three micro-batch sizes and scales the others from them), so that each
+  shape is traced by one process: a process holds a group in the same table (a lease it renews
+  at each configuration it takes), answers its configurations, and holds the next free group.
+  With none free it waits; a group whose lease went unrenewed for the grace period (its holder
+  died) is taken over, and enqueued trials (a dead process's, retried) are answered first by
+  whoever looks.
 * Every process ends with the same plan, built from all the study's completed trials once the
-  study is complete. An enumerated space (no larger than ``trials``) is complete when every
-  configuration has an answer: a process whose sampler has nothing left to start waits for the
-  others' running trials, and answers itself what a dead process left (enqueued again). A
-  sampled space (TPE, larger than ``trials``) is complete when ``trials`` configurations are
+  study is complete. An enumerated space is complete when every configuration has an answer.
+  A sampled space (TPE, larger than ``trials``) is complete when ``trials`` configurations are
   answered across the processes: the first to see it closes the study (its user attribute
   ``closed_at_trials``) and waits until no trial runs; a trial started after the close is
   pruned unanswered. Each trial writes its parameters before it reads the close, and the
