@@ -110,7 +110,9 @@ def _finish(process: subprocess.Popen[bytes], out: Path, timeout: float = 120) -
 
 
 def _same_plan(shared: dict[str, Any], one: dict[str, Any]) -> None:
-    """The same configurations, ranked alike, with the same figures."""
+    """The same configurations, ranked alike, with the same figures. (Each shape of this space is
+    asked at two micro-batch sizes and traced at both, never scaled: even each estimate's
+    ``method``, which elsewhere depends on which process traced what, is one process's.)"""
     assert shared["entries"] == one["entries"]
     assert shared["failures"] == one["failures"]
     assert shared["trials"] == one["trials"] == CONFIGS
