@@ -198,12 +198,16 @@ class _Claims:
 
 
 class ChosenSampler(optuna.samplers.BaseSampler):
-    """Asks for the configuration the process chose (``params``), where a process chooses
-    what to answer next (an enumerated shared space); an enqueued or retried trial keeps its
-    own parameters."""
+    """Asks for the configurations the process chose (``queue``: their parameters, one a trial,
+    in order), where a process chooses what it answers (an enumerated shared space); an
+    enqueued or retried trial keeps its own parameters."""
 
     def __init__(self) -> None:
-        self.params: dict[str, Any] = {}
+        self.queue: list[dict[str, Any]] = []
+        self._asked: dict[int, dict[str, Any]] = {}
+
+    def choose(self, queue: list[dict[str, Any]]) -> None:
+        self.queue, self._asked = list(queue), {}
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
         return {}
@@ -212,7 +216,9 @@ class ChosenSampler(optuna.samplers.BaseSampler):
         return {}
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any) -> Any:
-        return self.params[param_name]
+        if trial.number not in self._asked:
+            self._asked[trial.number] = self.queue.pop(0)  # asked no more trials than it holds
+        return self._asked[trial.number][param_name]
 
 
 class SharedStudy:
@@ -261,6 +267,8 @@ class SharedStudy:
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.answered: dict[TrainConfig, FrozenTrial] = {}
         """A completed trial answering each configuration answered so far."""
+        self.held: str | None = None
+        """The group whose configurations this process is answering (an enumerated space)."""
         self._seen: set[int] = set()
 
     @property
@@ -272,10 +280,12 @@ class SharedStudy:
         """The completed trials the study holds now."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
-    def refresh(self, objective: Objective) -> None:
-        """Learn the answers completed since the last look: ``objective`` reuses them, and
-        prunes with the estimates of every process."""
-        new = [t for t in self.resumed() if t.number not in self._seen]
+    def refresh(self, objective: Objective, trials: list[FrozenTrial] | None = None) -> None:
+        """Learn the answers completed since the last look (at the study's trials, else at
+        ``trials``, just read): ``objective`` reuses them, and prunes with the estimates of
+        every process."""
+        done = self.resumed() if trials is None else [t for t in trials if t.state == TrialState.COMPLETE]
+        new = [t for t in done if t.number not in self._seen]
         objective.resume(new)
         for t in new:
             self._seen.add(t.number)
@@ -326,6 +336,8 @@ def _objective(shared: SharedStudy, objective: Objective, *, trials: int,
         config = objective.config_of(trial)  # the parameters are in the storage from here on
         if not exhaustive and shared.closed(trials):
             raise optuna.TrialPruned("the shared study has its trials")
+        if shared.held is not None:
+            shared.claims.hold(shared.held, shared.worker, shared.grace)  # renew the lease
         key = _config_key(config)
         stored = shared.answered.get(config)  # answered already (as of the last look)
         owner = None if stored is not None else shared.claims.claim(key, trial.number)
@@ -425,12 +437,13 @@ def _answer_by_groups(shared: SharedStudy, objective: Objective, configs: list[T
     held: str | None = None
     while True:
         shared.fail_stale()
-        shared.refresh(objective)
+        everything = shared.study.get_trials(deepcopy=False)
+        shared.refresh(objective, everything)
         if objective.broken:
             return
         if all(c in shared.answered for c in configs):
             return
-        pending = shared.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+        pending = [t for t in everything if t.state in (TrialState.RUNNING, TrialState.WAITING)]
         waiting = sum(1 for t in pending if t.state == TrialState.WAITING)
         if waiting:
             run(waiting, False)
@@ -444,8 +457,11 @@ def _answer_by_groups(shared: SharedStudy, objective: Objective, configs: list[T
         if held is None:
             time.sleep(_IDLE_S)  # every group left is another live process's
             continue
-        shared.sampler.params = params[todo[held][0]]
-        run(1, False)
+        # The group's configurations in one go, the lease renewed at each (``_objective``).
+        shared.held = held
+        shared.sampler.choose([params[c] for c in todo[held]])
+        run(len(todo[held]), False)
+        shared.held = None
 
 
 def _wait_for_the_sampled(shared: SharedStudy, objective: Objective, *, trials: int,
