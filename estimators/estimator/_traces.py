@@ -23,7 +23,7 @@ from ..memory._prepare import Prepared, prepare
 from ..memory._workspace import WORKSPACE_ANCHORS
 from ..memory._workspace_cache import DIVERGED, WorkspaceFits
 from ..task._task import Task
-from ..tracing._compose import compose_enabled, trace_composed
+from ..tracing._compose import CutCache, compose_enabled, trace_composed
 from ..tracing._trace import DataDependentShapes, Trace, trace_step
 from ._prefetch import Prefetching
 
@@ -55,6 +55,7 @@ class TraceSource(Prefetching):
         self.compose_blocks = compose_enabled() if compose_blocks is None else compose_blocks
         """Compose a deep block stack's fake traces from traces of the model cut short
         (``tracing._compose``); off with ``MEMPLAN_FULL_TRACE=1``."""
+        self._cuts: CutCache = {}  # cut traces, shared by stacks checkpointed alike
         self._lock = lock
         self._prepared: dict[TraceKey, Prepared] = {}
         # Traces of accumulation 1 derived from traces of accumulation 2, not yet prepared.
@@ -125,7 +126,8 @@ class TraceSource(Prefetching):
                 if self.compose_blocks:
                     trace = trace_composed(self.task, config, batch_size=batch, target=self.device,
                                            capability=self._capability(), trace=trace_step,
-                                           trace_cuts=self._cut_tracer(config, batch, trace_step))
+                                           trace_cuts=self._cut_tracer(config, batch, trace_step),
+                                           cache=self._cuts)
                 else:
                     trace = trace_step(self.task, config, batch_size=batch, target=self.device,
                                        capability=self._capability())

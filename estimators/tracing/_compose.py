@@ -41,7 +41,7 @@ from ._recorder import OpRecord
 from ._steady import RawEvents
 from ._trace import DataDependentShapes, TaggedRaw, Trace, finish_trace, trace_step
 
-__all__ = ["FULL_TRACE_ENV", "Composer", "CutTracer", "StackFacts", "compose_enabled", "compose_trace",
+__all__ = ["FULL_TRACE_ENV", "Composer", "CutCache", "CutTracer", "StackFacts", "compose_enabled", "compose_trace",
            "cut_patterns", "same_trace", "stack_facts", "stack_pattern", "trace_composed"]
 
 FULL_TRACE_ENV = "MEMPLAN_FULL_TRACE"
@@ -492,15 +492,24 @@ class Composer:
 
 
 def compose_trace(deep: Trace, deep_pattern: Pattern, shallow: Trace, shallow_pattern: Pattern,
-                  pattern: Pattern) -> Trace:
-    """The trace of the stack ``pattern`` from the cut traces ``deep`` and ``shallow`` (checked
-    against ``shallow``); :class:`~._depth.NotComposable` when they do not agree."""
+                  pattern: Pattern, config: TrainConfig | None = None) -> Trace:
+    """The trace of the stack ``pattern`` for ``config`` (default: the cuts') from the cut traces
+    ``deep`` and ``shallow`` (checked against ``shallow``); :class:`~._depth.NotComposable` when
+    they do not agree."""
+    config = config or deep.config
+    return _checked_composer(deep, deep_pattern, shallow, shallow_pattern, config).trace(pattern, config,
+                                                                                       deep.batch_size)
+
+
+def _checked_composer(deep: Trace, deep_pattern: Pattern, shallow: Trace, shallow_pattern: Pattern,
+                      config: TrainConfig) -> Composer:
+    """The composer of two cut traces that agree (:class:`~._depth.NotComposable` if not)."""
     assert deep.tagged is not None and shallow.tagged is not None
     composer = Composer(deep.tagged, deep_pattern, shallow.tagged, shallow_pattern)
-    why = composer.check(deep.config, deep.batch_size, shallow)
+    why = composer.check(config, deep.batch_size, shallow)
     if why is not None:
         raise NotComposable(f"the shallow cut composed from the deep one differs from its trace: {why}")
-    return composer.trace(pattern, deep.config, deep.batch_size)
+    return composer
 
 
 def same_trace(x: Trace, y: Trace) -> str | None:
@@ -644,15 +653,33 @@ CutTracer = Callable[[DepthCut, DepthCut], tuple[Trace, Trace]]
 worker process meanwhile)."""
 
 
+CutCache = dict[Hashable, "Trace | Composer"]
+"""Cut traces, and the composers of pairs that agree, kept for later compositions (see
+:func:`trace_composed`)."""
+
+
+def _cut_key(config: TrainConfig, batch_size: int, target: str, capability: tuple[int, int] | None,
+             cut: DepthCut) -> Hashable:
+    # A cut checkpoints its own blocks: stacks checkpointed alike (2, 4 or 8 of 32 blocks, say)
+    # trace the same cuts.
+    return (config.replace(checkpoint_segments=0, checkpoint_policy="full"), config.checkpoint_policy,
+            batch_size, target, capability, cut)
+
+
+def _trace_or_none(value: object) -> Trace | None:
+    return value if isinstance(value, Trace) else None
+
+
 def trace_composed(task: Task, config: TrainConfig, *, batch_size: int, target: str = "cpu",
                    capability: tuple[int, int] | None = None, trace: Callable[..., Trace] = trace_step,
-                   trace_cuts: CutTracer | None = None, gain: bool = True) -> Trace:
+                   trace_cuts: CutTracer | None = None, gain: bool = True, cache: CutCache | None = None) -> Trace:
     """The fake trace of ``config`` at micro-batch ``batch_size``: composed from two traces
     of the model cut short when its block stack is deep enough to gain (:func:`cut_patterns`),
     else traced whole; a note says which, and why a stack that could gain was traced whole.
     Shapes that depend on data raise ``DataDependentShapes`` either way. ``trace`` is
     ``trace_step`` (or what stands for it); ``trace_cuts`` traces the two cuts (default: one
-    after the other, with ``trace``); ``gain=False``: see :func:`cut_patterns`."""
+    after the other, with ``trace``); ``gain=False``: see :func:`cut_patterns`. ``cache`` keeps
+    the cut traces, for configurations that differ in which blocks are checkpointed only."""
     def one(cut: DepthCut | None) -> Trace:
         kwargs = {"cut": cut} if cut is not None else {}
         return trace(task, config, batch_size=batch_size, target=target, capability=capability, **kwargs)
@@ -674,10 +701,23 @@ def trace_composed(task: Task, config: TrainConfig, *, batch_size: int, target: 
         return whole(f"block stack traced whole: {facts.differs}")
     deep_pattern, shallow_pattern = cuts
     deep_cut, shallow_cut = (DepthCut(len(p), _checkpointed(p)) for p in cuts)
+    keys = [_cut_key(config, batch_size, target, capability, c) for c in (deep_cut, shallow_cut)]
     try:
-        deep, shallow = trace_cuts(deep_cut, shallow_cut) if trace_cuts is not None else (one(deep_cut),
-                                                                                           one(shallow_cut))
-        composed = compose_trace(deep, deep_pattern, shallow, shallow_pattern, pattern)
+        kept = [_trace_or_none(cache.get(k)) for k in keys] if cache is not None else [None, None]
+        if kept[0] is None and kept[1] is None and trace_cuts is not None:
+            deep, shallow = trace_cuts(deep_cut, shallow_cut)
+        else:
+            deep = kept[0] if kept[0] is not None else one(deep_cut)
+            shallow = kept[1] if kept[1] is not None else one(shallow_cut)
+        if cache is not None:
+            cache[keys[0]], cache[keys[1]] = deep, shallow
+        pair = ("composer", keys[0], keys[1])
+        composer = cache.get(pair) if cache is not None else None
+        if not isinstance(composer, Composer):
+            composer = _checked_composer(deep, deep_pattern, shallow, shallow_pattern, config)
+            if cache is not None:
+                cache[pair] = composer
+        composed = composer.trace(pattern, config, batch_size)
     except DataDependentShapes:
         raise
     except MemplanError as exc:

@@ -30,7 +30,7 @@ import torch
 
 from .._config import TrainConfig
 from ..task._task import Task
-from ._compose import trace_composed
+from ._compose import CutCache, trace_composed
 from ._depth import DepthCut
 from ._trace import Trace, trace_step
 
@@ -165,6 +165,7 @@ def _stop(proc: BaseProcess, conn: Connection[_Request, _Reply], directory: str)
 
 def _serve(task: Task, conn: Connection[_Reply, _Request], directory: str) -> None:
     torch.set_num_threads(1)
+    cuts: CutCache = {}  # cut traces, shared by the compositions this worker makes
     while True:
         try:
             request = conn.recv()
@@ -177,7 +178,8 @@ def _serve(task: Task, conn: Connection[_Reply, _Request], directory: str) -> No
             if cut is not None:
                 trace = trace_step(task, config, batch_size=batch_size, target=target, capability=capability, cut=cut)
             elif compose:
-                trace = trace_composed(task, config, batch_size=batch_size, target=target, capability=capability)
+                trace = trace_composed(task, config, batch_size=batch_size, target=target, capability=capability,
+                                       cache=cuts)
             else:
                 trace = trace_step(task, config, batch_size=batch_size, target=target, capability=capability)
             path = os.path.join(directory, f"{ticket}.pkl")

@@ -111,3 +111,20 @@ def test_the_benchmarks_deep_model_composes() -> None:
     whole = Estimator(task, gpu="A100-80GB", compose_blocks=False).estimate(config, exact=True)
     assert any(n.startswith("block stack: 24 blocks composed") for n in composed.notes)
     _same(composed, whole)
+
+
+def test_stacks_checkpointed_alike_share_their_cuts(deep: Task, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 and 4 of 12 blocks checkpointed (C P P P P P C P P P P P and C P P C P P C P P C P P)
+    # compose from the same cuts, C P P C P P and C P C P P: traced once.
+    from estimators.estimator import _traces
+
+    cuts: list[object] = []
+    original = _traces.trace_step
+    monkeypatch.setattr(_traces, "trace_step",
+                        lambda task, config, **kw: cuts.append(kw.get("cut")) or original(task, config, **kw))
+    estimator = Estimator(deep, gpu="A100-80GB")
+    two, four = (estimator.estimate(TrainConfig(micro_batch_size=2, checkpoint_segments=s), exact=True) for s in (2, 4))
+    assert len(cuts) == 2 and all(c is not None for c in cuts)
+    whole = Estimator(deep, gpu="A100-80GB", compose_blocks=False)
+    _same(four, whole.estimate(TrainConfig(micro_batch_size=2, checkpoint_segments=4), exact=True))
+    assert two.host_bytes < four.host_bytes  # more checkpointed blocks save more RNG states: not one estimate twice
