@@ -207,6 +207,7 @@ class ChosenSampler(optuna.samplers.BaseSampler):
         self._asked: dict[int, dict[str, Any]] = {}
 
     def choose(self, queue: list[dict[str, Any]]) -> None:
+        assert queue, "nothing chosen"
         self.queue, self._asked = list(queue), {}
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
@@ -217,7 +218,9 @@ class ChosenSampler(optuna.samplers.BaseSampler):
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any) -> Any:
         if trial.number not in self._asked:
-            self._asked[trial.number] = self.queue.pop(0)  # asked no more trials than it holds
+            # Asked for no more trials than it holds; past them, the last again (its claim
+            # makes it a copy).
+            self._asked[trial.number] = self.queue.pop(0) if len(self.queue) > 1 else self.queue[0]
         return self._asked[trial.number][param_name]
 
 
@@ -444,9 +447,13 @@ def _answer_by_groups(shared: SharedStudy, objective: Objective, configs: list[T
         if all(c in shared.answered for c in configs):
             return
         pending = [t for t in everything if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-        waiting = sum(1 for t in pending if t.state == TrialState.WAITING)
+        waiting = [params[c] for c in _configs_of(objective, [t for t in pending if t.state == TrialState.WAITING])
+                   if c in params and c not in shared.answered]
         if waiting:
-            run(waiting, False)
+            # Whoever pops one first answers it; a trial of this process's that finds them
+            # popped asks for their configurations all the same (and copies, or waits).
+            shared.sampler.choose(waiting)
+            run(len(waiting), False)
             continue
         busy = set(_configs_of(objective, pending))
         todo = {g: [c for c in group if c not in shared.answered and c not in busy] for g, group in groups.items()}
