@@ -29,24 +29,59 @@ class _Parser(argparse.ArgumentParser):
 
 
 class InitCommand:
-    """Write a commented model-file template and a config template to start from."""
+    """Write a commented model-file template and a config template to start from, or, with
+    ``--from hf:...``, a model file for a Hugging Face model."""
 
     name = "init"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ._args import add_hf_args
+
         p.add_argument(
             "directory", nargs="?", default=".", help="where to write model.py and memplan.toml (default: here)"
         )
         p.add_argument("--force", action="store_true", help="overwrite existing files")
+        p.add_argument("--from", dest="source", default=None,
+                       help="write model.py for a Hugging Face model: hf:<repo id | directory | config.json>")
+        p.add_argument("--data", default=None, help="with --from: a .txt or .jsonl training file (default: random tokens)")
+        p.add_argument("--text-field", default="text", help="with --from: the text field of --data's JSON lines")
+        p.add_argument("--global-batch", default="16", help="with --from: sequences per optimizer step (default 16)")
+        add_hf_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._init import write_templates
+        from estimators import ConfigError, parse_count
 
-        for path in write_templates(args.directory, force=args.force):
-            print(f"wrote {path}")
-        print(
-            f"next: memplan fit {Path(args.directory) / 'model.py'} --config {Path(args.directory) / 'memplan.toml'} --vram 1GB"
-        )
+        directory = Path(args.directory)
+        if args.source is None:
+            given = [flag for flag, value in (("--data", args.data), ("--seq-len", args.seq_len),
+                                              ("--task", args.hf_task), ("--lora-rank", args.lora_rank),
+                                              ("--lora-targets", args.lora_targets),
+                                              ("--num-labels", args.num_labels)) if value is not None]
+            if given:
+                raise ConfigError(f"{', '.join(given)}: only with --from hf:<repo id | directory | config.json>")
+            from ._init import write_templates
+
+            for path in write_templates(directory, force=args.force):
+                print(f"wrote {path}")
+            print(f"next: memplan fit {directory / 'model.py'} --config {directory / 'memplan.toml'} --vram 1GB")
+            return 0
+        from ._init_hf import write_hf_model_file
+
+        def count(value: str | None, flag: str) -> int | None:
+            return parse_count(value, what=flag) if value is not None else None
+
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+        target = directory / "model.py"
+        found = write_hf_model_file(
+            target, args.source, force=args.force, seq_len=count(args.seq_len, "--seq-len"), head=args.hf_task,
+            global_batch=parse_count(args.global_batch, what="--global-batch"), data=args.data,
+            text_field=args.text_field, lora_rank=count(args.lora_rank, "--lora-rank"), lora_targets=targets,
+            num_labels=count(args.num_labels, "--num-labels"))
+        print(f"wrote {target} ({found.model_type}, {found.head}, {found.seq_len} tokens, global batch "
+              f"{found.global_batch}{f', LoRA r={found.lora_rank}' if found.lora_rank else ''})")
+        for line in found.notes():
+            print(line)
+        print(f"next: memplan fit {target} --vram 24GB")
         return 0
 
 

@@ -40,3 +40,37 @@ def write_hub_cache(cache: Path, repo: str, kind: str = "llama", **overrides: An
     (root / "refs" / "main").write_text(commit)
     write_tiny(root / "snapshots" / commit, kind, **overrides)
     return cache
+
+
+WORDS = "the cat sat on a mat and the dog ran to the park while birds sang in trees".split()
+
+
+def write_pretrained(folder: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """``folder`` holding a downloaded model's files: the config, weights (seeded) and a word-level
+    tokenizer of :data:`WORDS` with end, padding, unknown and mask tokens; returns the folder."""
+    import torch
+    import transformers
+
+    config = tiny_config(kind, **overrides)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return write_tokenizer(folder)
+
+
+def write_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer of :data:`WORDS` saved into ``folder`` (ids below 64)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(
+        vocab_size=64, special_tokens=["[UNK]", "[EOS]", "[PAD]", "[MASK]"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]",
+                                         pad_token="[PAD]", mask_token="[MASK]").save_pretrained(folder)
+    return folder
+
+
+def words(n: int, start: int = 0) -> str:
+    """``n`` words of :data:`WORDS`, round and round from ``start``."""
+    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
