@@ -49,8 +49,18 @@ class DepthCut:
     checkpointed: tuple[int, ...] = ()
 
 
-def _plain(value: object) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str, tuple, torch.dtype, torch.device))
+def _plain(value: object, depth: int = 0) -> bool:
+    """A value compared by equality: a number, a string, a dtype, or a list, tuple or dict of them
+    (nested at most 8 deep: a list that holds itself is not plain)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    if depth >= 8:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _signature(block: nn.Module) -> list[tuple[str, object]]:
@@ -68,8 +78,11 @@ def _signature(block: nn.Module) -> list[tuple[str, object]]:
                 continue
             if isinstance(value, (nn.Module, torch.Tensor)):
                 continue
-            # Plain values compare by value, anything else (a shared config object) by identity.
-            out.append((f"{name}.{key}" if name else key, value if _plain(value) else ("id", id(value))))
+            # Plain values compare by value, anything else (a shared config object) by identity;
+            # a block's own list or dict of plain values (head sizes, say) by its repr, which
+            # tells [1] from [True] and orders a dict's keys as they were set.
+            plain = repr(value) if isinstance(value, (list, dict)) and _plain(value) else value
+            out.append((f"{name}.{key}" if name else key, plain if _plain(value) else ("id", id(value))))
     return out
 
 

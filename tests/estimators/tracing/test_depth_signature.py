@@ -1,0 +1,93 @@
+"""What blocks must share to pass for one module (estimators.tracing._depth.block_differences):
+lists and dicts of plain values compare by value, as numbers and strings do, so that blocks that
+each carry their own list (of head sizes, window sizes, ...) compose; anything else by identity."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from estimators import Task, TrainConfig
+from estimators.tracing._compose import same_trace, stack_facts, trace_composed
+from estimators.tracing._depth import block_differences
+from estimators.tracing._trace import trace_step
+
+
+class Scaled(nn.Module):
+    """A block whose forward reads a list and a dict of its own (each block a new list and dict)."""
+
+    def __init__(self, d: int, scales: list[float], act: dict[str, object]) -> None:
+        super().__init__()
+        self.scales = list(scales)
+        self.act = dict(act)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        for s in self.scales:
+            y = y * s
+        return x + (torch.relu(y) if self.act["kind"] == "relu" else torch.tanh(y))
+
+
+def _task(make_block: Callable[[], nn.Module], layers: int) -> Task:
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.blocks = nn.ModuleList(make_block() for _ in range(layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.out(x)
+
+    return Task(name="scaled", build_model=Stack, sample_fn=lambda b: (torch.randn(b, 16), torch.randn(b, 16)),
+                loss_fn=lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1]))
+
+
+def test_equal_lists_and_dicts_of_plain_values_are_the_same_block() -> None:
+    blocks = [Scaled(16, [0.5, 2.0], {"kind": "relu", "dims": (16,)}) for _ in range(8)]
+    assert len({id(b.scales) for b in blocks}) == 8  # each block its own list: equal by value only
+    assert block_differences(blocks) is None
+
+
+def test_a_stack_of_blocks_with_their_own_lists_composes_to_the_whole_trace() -> None:
+    task = _task(lambda: Scaled(16, [0.5, 2.0], {"kind": "relu"}), 8)
+    assert stack_facts(task).differs is None
+    config = TrainConfig(micro_batch_size=2, checkpoint_segments=2)
+    composed = trace_composed(task, config, batch_size=2, target="cuda", gain=False)
+    assert any(n.startswith("block stack: 8 blocks composed") for n in composed.notes), composed.notes
+    assert same_trace(composed, trace_step(task, config, target="cuda")) is None
+
+
+def test_lists_or_dicts_that_differ_are_other_blocks() -> None:
+    scales = [Scaled(16, [0.5, 2.0] if i % 2 else [0.5], {"kind": "relu"}) for i in range(4)]
+    assert block_differences(scales) == "blocks differ in scales ('[0.5]' in block 0, '[0.5, 2.0]' in block 1)"
+    acts = [Scaled(16, [1.0], {"kind": "tanh" if i == 3 else "relu"}) for i in range(4)]
+    assert block_differences(acts) == ("blocks differ in act (\"{'kind': 'relu'}\" in block 0, "
+                                       "\"{'kind': 'tanh'}\" in block 3)")
+    # 1 and True are equal numbers but not the same setting in a list.
+    flags = [Scaled(16, [True] if i else [1], {"kind": "relu"}) for i in range(4)]
+    assert block_differences(flags) is not None
+
+
+def test_containers_of_other_objects_compare_by_identity() -> None:
+    # A list holding an object of each block's own is not a plain value: the blocks differ.
+    owned = [Scaled(16, [1.0], {"kind": "relu"}) for _ in range(4)]
+    for block in owned:
+        block.hooks = [object()]
+    assert block_differences(owned) is not None and "hooks" in block_differences(owned)
+    # One object shared by every block (a config, say) is the same by identity.
+    shared = object()
+    same = [Scaled(16, [1.0], {"kind": "relu"}) for _ in range(4)]
+    for block in same:
+        block.config = shared
+    assert block_differences(same) is None
+    # A list that holds itself is not plain (compared by identity), and does not recurse forever.
+    loops = [Scaled(16, [1.0], {"kind": "relu"}) for _ in range(4)]
+    for block in loops:
+        block.scales.append(block.scales)
+    assert "scales" in (block_differences(loops) or "")
