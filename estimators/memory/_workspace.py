@@ -33,6 +33,12 @@ alone, for real, at the batch asked once it is larger than every op of its kind 
 without scratch, where its kind was seen to allocate (``switched_workspaces``). No dtype
 or instruction set is assumed: whether a kind of op allocates is what the anchors or one
 probe of it show.
+
+Ops with scratch at the anchors switch past them as well (a bf16 convolution's backward on
+this project's AVX-512-BF16 machine; GEMMs blocked by other sizes on CPUs with other
+kernels), so they too are run alone at the batch asked when small enough, each once checked:
+its run alone at the largest anchor must give what the step measured there, else its line
+stays. Identical calls (a block stack's) run once.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ class WorkspaceFit:
     replays: dict[str, dict[int, Replay]] = field(default_factory=dict)
     switched: dict[int, dict[Source, int]] = field(default_factory=dict, compare=False, repr=False)
     probed: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
+    faithful: dict[Source, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, kind: str, batch: int) -> np.ndarray:
         _names, intercept, slope = self.kinds[kind]
@@ -529,6 +536,18 @@ def switched_workspaces(fit: WorkspaceFit, batch: int) -> dict[Source, int]:
               if fit.probed.get(name, True) or any(loud for *_op, loud in ops)
               for src, f0, f1, loud in ops
               if not loud and quiet.get(name, 0.0) < f0 + f1 * batch <= REPLAY_MAX_FLOPS and replayable(src)]
+    # Ops with scratch at the anchors switch too (a bf16 convolution's backward here; GEMMs
+    # block the batch dimension by other sizes on other CPUs), so the line through the anchors
+    # is kept only for ops too large to run alone, and for ops whose run alone at the largest
+    # anchor does not give what the step measured there.
+    loud = [(src, f0, f1) for ops in groups.values() for src, f0, f1, is_loud in ops if is_loud and replayable(src)]
+    loud = [(src, f0, f1) for src, f0, f1 in loud if f0 + f1 * batch <= REPLAY_MAX_FLOPS]
+    unchecked = [(src, WORKSPACE_ANCHORS[-1]) for src, _f0, _f1 in loud if src not in fit.faithful]
+    if unchecked:
+        alone = _replayed(fit, unchecked)
+        for src, _a in unchecked:
+            fit.faithful[src] = src in alone and alone[src] == int(fit.measured[src[0]][src[1], -1])
+    wanted += [(src, batch) for src, _f0, _f1 in loud if fit.faithful[src]]
     return _replayed(fit, wanted) if wanted else {}
 
 
@@ -536,12 +555,20 @@ def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source
     """Each op of ``calls`` (with its batch size) run alone under the profiler: the
     allocator's highest level during it, less its new outputs (as a step's workspaces are
     measured, ``trace._op_workspaces``). Ops that cannot be rebuilt or fail are left out."""
-    built: list[tuple[Source, Any, tuple[Any, ...], dict[str, Any]]] = []
+    # A block stack repeats its ops: each distinct call (op, argument structure, sizes) runs once.
+    built: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    runs_of: dict[Source, int] = {}
+    distinct: dict[tuple[Any, ...], int] = {}
     for src, batch in calls:
         replay = fit.replays[src[0]][src[1]]
-        arguments = replay.arguments_at(batch)
-        if arguments is not None:
-            built.append((src, replay.func, *arguments))
+        key = (replay.func, replay.skeleton, batch, replay.ints.tobytes())
+        if key not in distinct:
+            arguments = replay.arguments_at(batch)
+            if arguments is None:
+                continue
+            distinct[key] = len(built)
+            built.append((replay.func, *arguments))
+        runs_of[src] = distinct[key]
     if not built:
         return {}
     from torch._C._profiler import _EventType
@@ -551,7 +578,7 @@ def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source
     gc.disable()  # no garbage from before freed inside the window (see memory_profile)
     try:
         with torch.no_grad(), memory_profile(collect=False) as prof:
-            for k, (_src, func, args, kwargs) in enumerate(built):
+            for k, (func, args, kwargs) in enumerate(built):
                 inputs = {t.untyped_storage().data_ptr() for t in _leaves((args, kwargs))}
                 with torch.profiler.record_function(f"memplan_replay::{k}"):
                     out = func(*args, **kwargs)
@@ -569,7 +596,7 @@ def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source
             yield n
             yield from walk(n.children)
 
-    result: dict[Source, int] = {}
+    measured: dict[int, int] = {}
     for node in walk(prof.profiler.kineto_results.experimental_event_tree()):
         if node.tag != _EventType.TorchOp or not node.name.startswith("memplan_replay::"):
             continue
@@ -579,8 +606,8 @@ def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source
         for a in sorted(allocs, key=lambda e: e.start_time_ns):
             running += a.extra_fields.alloc_size
             peak = max(peak, running)
-        result[built[k][0]] = max(0, peak - news[k])
-    return result
+        measured[k] = max(0, peak - news[k])
+    return {src: measured[k] for src, k in runs_of.items() if k in measured}
 
 
 def _leaves(obj: Any) -> list[torch.Tensor]:

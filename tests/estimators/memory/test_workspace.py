@@ -241,3 +241,33 @@ def test_a_kind_of_op_without_scratch_is_probed_once_and_replayed_only_where_it_
     monkeypatch.setattr(_workspace, "_replayed", lambda fit_, calls: runs.append(calls) or {})
     assert _workspace.switched_workspaces(quiet, 32) == {} and _workspace.switched_workspaces(quiet, 64) == {}
     assert len(runs) == 1  # nothing run past the probes
+
+
+def test_ops_with_scratch_at_the_anchors_are_run_at_the_batch_asked_where_running_alone_is_faithful(
+        monkeypatch, one_thread):
+    # Kernels with scratch at the anchors change algorithm past them too, by rules of each CPU.
+    # Stand-ins for the single-op runs: at the largest anchor one op alone gives what the step
+    # measured there and the other does not; past the anchors each shows 7 bytes per sample.
+    task = conv_task()
+    fit = _workspace.measure_fit(task, TrainConfig(micro_batch_size=2, precision="fp32"))
+    assert fit is not None
+    loud = [(kind, row) for kind, rows in fit.replays.items() for row in rows if fit.measured[kind][row].any()]
+    assert len(loud) >= 2
+    faithful, unfaithful = loud[0], loud[1]
+    runs: list[list[tuple[tuple[str, int], int]]] = []
+
+    def alone(fit_, calls):
+        runs.append(calls)
+        a4 = _workspace.WORKSPACE_ANCHORS[-1]
+        return {src: (int(fit.measured[src[0]][src[1], -1]) + (src == unfaithful)) if b == a4 else 7 * b
+                for src, b in calls}
+
+    monkeypatch.setattr(_workspace, "_replayed", alone)
+    lines = {src: int(_workspace.workspace_at(fit.measured[src[0]], 24)[src[1]]) for src in loud}
+    at24 = {src: int(fit.workspace(src[0], 24)[src[1]]) for src in loud}
+    assert at24[faithful] == 7 * 24 != lines[faithful]
+    assert at24[unfaithful] == lines[unfaithful]  # the line through the anchors stays
+    assert fit.faithful[faithful] and not fit.faithful[unfaithful]
+    checks = len(runs)
+    fit.workspace(loud[0][0], 40)
+    assert len(runs) == checks + 1  # checked once per fit: one run, of batch 40's ops
