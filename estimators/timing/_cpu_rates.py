@@ -47,8 +47,16 @@ def cpu_name() -> str:
     return cpu
 
 
+def _kernel_set() -> str:
+    """Which kernels torch and oneDNN pick here: torch's vector ISA and oneDNN's ceiling, which
+    ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` lower (bf16 GEMMs run 15-35x slower on
+    AVX2 kernels than on native-bf16 ones: the same CPU's rates under another ceiling differ)."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "native"
+    return f"{torch.backends.cpu.get_cpu_capability()}|{isa.upper()}"
+
+
 def _machine_key() -> str:
-    text = f"{cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}"
+    text = f"{cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{_kernel_set()}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

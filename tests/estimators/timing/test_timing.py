@@ -287,3 +287,20 @@ def test_a_stored_prediction_is_recalibrated_and_calibrates_without_its_trace(mo
     assert old.time_parts is None
     assert fresh.recalibrated(old).step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
     assert traced  # that one needed its trace
+
+
+def test_cpu_rates_are_cached_per_kernel_set(monkeypatch):
+    # The same CPU under a lower oneDNN ceiling runs other kernels: its own cache file.
+    calls = []
+    monkeypatch.setattr(_cpu_rates, "_measure_cpu_rates", lambda: calls.append(1) or fixed_rates())
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    native = cpu_rates_path()
+    cpu_rates()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_rates_path() != native
+    cpu_rates()
+    assert len(calls) == 2
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")  # oneDNN reads it in any case
+    cpu_rates()
+    assert len(calls) == 2
