@@ -86,7 +86,6 @@ def test_the_environment_turns_composition_off(deep: Task, monkeypatch: pytest.M
 
 @pytest.mark.slow
 def test_a_hugging_face_decoder_composes() -> None:
-    pytest.importorskip("transformers")
     from helpers.hf import write_tiny
 
     from estimators import hf_task
