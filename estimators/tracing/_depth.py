@@ -20,6 +20,7 @@ its own so that every kind of neighbourhood the full stack has is in it).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -100,11 +101,32 @@ def block_differences(blocks: Sequence[nn.Module]) -> str | None:
         if all(v == values[0] for v in values):
             continue
         numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-        if len(numbers) == len(values) and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+        if len(numbers) == len(values) and _numbering(numbers):
             continue  # a layer index: numbers the blocks
+        if all(isinstance(v, str) for v in values) and _named_by_index([str(v) for v in values]):
+            continue  # a name holding the layer index (PEFT's target_name, "model.layers.3.q_proj")
         i = next(i for i, v in enumerate(values) if v != values[0])
         return f"blocks differ in {key} ({values[0]!r} in block 0, {values[i]!r} in block {i})"
     return None
+
+
+def _numbering(numbers: list[int]) -> bool:
+    return numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+
+def _named_by_index(texts: list[str]) -> bool:
+    """Strings equal but for numbers that number the blocks (each place's numbers equal in every
+    block, or consecutive from block to block)."""
+    parts = [re.split(r"(\d+)", t) for t in texts]
+    if any(len(p) != len(parts[0]) for p in parts):
+        return False
+    for k, column in enumerate(zip(*parts)):
+        if k % 2 == 0:
+            if any(c != column[0] for c in column):
+                return False
+        elif any(c != column[0] for c in column) and not _numbering([int(c) for c in column]):
+            return False
+    return True
 
 
 def _container(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[nn.Module, list[str]]:

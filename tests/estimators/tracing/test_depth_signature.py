@@ -91,3 +91,32 @@ def test_containers_of_other_objects_compare_by_identity() -> None:
     for block in loops:
         block.scales.append(block.scales)
     assert "scales" in (block_differences(loops) or "")
+
+
+def test_names_that_number_the_blocks_are_one_module_and_other_names_are_not() -> None:
+    # PEFT's LoRA layers each keep the name of the layer they wrap (kwargs["target_name"]).
+    def named(names: list[str]) -> list[nn.Module]:
+        blocks = []
+        for name in names:
+            block = nn.Linear(4, 4)
+            block.target = name  # type: ignore[assignment]
+            block.kwargs = {"r": 16, "target_name": name}  # type: ignore[assignment]
+            blocks.append(block)
+        return blocks
+
+    assert block_differences(named([f"model.layers.{i}.self_attn.q_proj" for i in range(3, 7)])) is None
+    assert block_differences(named(["layers.0.attn.v2", "layers.1.attn.v2", "layers.2.attn.v2"])) is None
+    assert "target" in (block_differences(named(["layers.0.q", "layers.2.q", "layers.3.q"])) or "")
+    assert "target" in (block_differences(named(["layers.0.q_proj", "layers.1.k_proj"])) or "")
+
+
+def test_a_lora_decoders_blocks_are_one_module(tmp_path) -> None:
+    import peft
+    import transformers
+    from helpers.hf import write_tiny
+
+    config = transformers.AutoConfig.from_pretrained(write_tiny(tmp_path / "tiny"))
+    config.num_hidden_layers = 4
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert block_differences(list(model.base_model.model.model.layers)) is None
