@@ -653,7 +653,7 @@ CutTracer = Callable[[DepthCut, DepthCut], tuple[Trace, Trace]]
 worker process meanwhile)."""
 
 
-CutCache = dict[Hashable, "Trace | Composer"]
+CutCache = dict[Hashable, "Trace | Composer | str"]
 """Cut traces, and the composers of pairs that agree, kept for later compositions (see
 :func:`trace_composed`)."""
 
@@ -702,6 +702,14 @@ def trace_composed(task: Task, config: TrainConfig, *, batch_size: int, target: 
     deep_pattern, shallow_pattern = cuts
     deep_cut, shallow_cut = (DepthCut(len(p), _checkpointed(p)) for p in cuts)
     keys = [_cut_key(config, batch_size, target, capability, c) for c in (deep_cut, shallow_cut)]
+    # A stack refused once is refused for the other batch sizes and checkpoint settings of the
+    # layout (what refuses it is how its blocks refer to one another): their cuts are not traced
+    # again just to be refused. At worst a composable setting is traced whole, as without cuts.
+    layout = ("refused", config.replace(micro_batch_size=1, grad_accum_steps=1, checkpoint_segments=0,
+                                        checkpoint_policy="full"), target, capability)
+    refused = cache.get(layout) if cache is not None else None
+    if isinstance(refused, str):
+        return whole(refused)
     try:
         kept = [_trace_or_none(cache.get(k)) for k in keys] if cache is not None else [None, None]
         if kept[0] is None and kept[1] is None and trace_cuts is not None:
@@ -721,9 +729,15 @@ def trace_composed(task: Task, config: TrainConfig, *, batch_size: int, target: 
     except DataDependentShapes:
         raise
     except MemplanError as exc:
-        return whole(f"block stack traced whole: {exc}")
+        note = f"block stack traced whole: {exc}"
+        if cache is not None:
+            cache[layout] = note
+        return whole(note)
     except Exception as exc:  # noqa: BLE001 - composition must never cost an estimate
-        return whole(f"block stack traced whole: composing failed ({type(exc).__name__}: {exc})")
+        note = f"block stack traced whole: composing failed ({type(exc).__name__}: {exc})"
+        if cache is not None:
+            cache[layout] = note
+        return whole(note)
     composed.notes = (*composed.notes, f"block stack: {facts.blocks} blocks composed from traces of "
                                        f"{deep_cut.keep} and {shallow_cut.keep}, which agree")
     return composed

@@ -120,3 +120,29 @@ def test_a_lora_decoders_blocks_are_one_module(tmp_path) -> None:
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
                                 peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert block_differences(list(model.base_model.model.model.layers)) is None
+
+
+def test_a_stack_refused_once_is_traced_whole_for_the_layouts_other_settings(monkeypatch) -> None:
+    from estimators.tracing import _compose
+    from estimators.tracing._depth import NotComposable
+
+    def refuse(*args, **kwargs):
+        raise NotComposable("an edge block refers to a neighbour unlike the cut's")
+
+    monkeypatch.setattr(_compose, "_checked_composer", refuse)
+    task = _task(lambda: Scaled(16, [0.5], {"kind": "relu"}), 8)
+    cuts: list[object] = []
+
+    def trace(*args, cut=None, **kwargs):
+        cuts.append(cut)
+        return trace_step(*args, cut=cut, **kwargs) if cut is not None else trace_step(*args, **kwargs)
+
+    cache: dict = {}
+    for b, segments in ((2, 0), (3, 0), (2, 4)):
+        got = trace_composed(task, TrainConfig(micro_batch_size=b, checkpoint_segments=segments), batch_size=b,
+                             target="cuda", gain=False, trace=trace, cache=cache)
+        assert "block stack traced whole: an edge block refers to a neighbour unlike the cut's" in got.notes
+    assert sum(c is not None for c in cuts) == 2 and cuts.count(None) == 3  # one pair of cuts, then whole
+    other = trace_composed(task, TrainConfig(micro_batch_size=2, precision="bf16-mixed"), batch_size=2,
+                           target="cuda", gain=False, trace=trace, cache=cache)
+    assert other.notes and sum(c is not None for c in cuts) == 4  # another precision tries its own cuts
