@@ -214,9 +214,12 @@ def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exha
     space, estimator = objective.space, objective.estimator
     in_space = set(space)
 
+    # An enumerated space may be larger than ``trials`` (``enumerates``): all of it is asked.
+    budget = max(trials, len(space)) if exhaustive else trials
+
     def remaining() -> int:
         answered = len([c for c in objective.done() if c in in_space and c not in objective.pruned])
-        return max(0, min(trials - answered, len(in_space - objective.done())))
+        return max(0, min(budget - answered, len(in_space - objective.done())))
 
     left = remaining()
     # An enumerated space asks every configuration: its traces start now, on both cores
@@ -227,10 +230,12 @@ def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exha
         try:
             asked = 0
             # The sampler may ask a pruned configuration again: ask at most ROUNDS budgets.
-            while left and asked < ROUNDS * trials:
+            while left and asked < ROUNDS * budget:
                 mirrored.optimize(objective, n_trials=left, progress=progress)
                 asked += left
-                left = 0 if exhaustive else remaining()
+                before, left = left, remaining()
+                if objective.broken or (exhaustive and left >= before):
+                    break  # stopped (a broken model), or the sampler's grid is spent
         except KeyboardInterrupt:
             interrupted = True  # completed trials are in the storage; plan from them
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from estimators import Estimate, Estimator, Task, TrainConfig
 
@@ -137,10 +138,11 @@ def _anchored(entry: PlanEntry, anchor: PlanEntry, scale: float) -> PlanEntry:
 def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *, budget: int, margin: float,
                global_batch: int | None, tried: int, failed: Mapping[TrainConfig, str],
                notes: Sequence[str], compile: bool | None = None,
-               structure: tuple[int, str] | None = None) -> Plan:
+               structure: tuple[int, str] | None = None, coverage: Mapping[str, Any] | None = None) -> Plan:
     """The Plan of the ranked ``entries``, its notes closed by one line on the failures.
     ``structure``: the model's ``structure_fingerprint`` (from the model on meta), recorded in
-    the provenance for ``check_plan_model``."""
+    the provenance for ``check_plan_model``; ``coverage``: how much of the space was estimated
+    (``Coverage.to_dict``), recorded there as ``search_coverage``."""
     summary = summarize_failures(failed)
     gpu = estimator.spec.name if estimator.spec else None
     return Plan(
@@ -154,7 +156,8 @@ def build_plan(task: Task, estimator: Estimator, entries: Sequence[PlanEntry], *
         failures=failed,
         provenance=provenance(device=estimator.device, gpu=gpu,
                               source_hash=task.source_hash, source_path=task.source_path,
-                              structure=structure, model_name=task.name, origin=task.origin),
+                              structure=structure, model_name=task.name, origin=task.origin)
+        | ({"search_coverage": dict(coverage)} if coverage is not None else {}),
         notes=(*notes, *((summary,) if summary else ())),
         compile=compile,
     )

@@ -27,6 +27,7 @@ from estimators._types import Batch, Item
 from estimators.task._task_data import structure_fingerprint
 
 from ._compile import evaluate_compile
+from ._coverage import coverage_of
 from ._inputs import (
     budget_for,
     can_probe,
@@ -44,7 +45,14 @@ from ._ranking import build_plan, rank_predicted
 from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
 from ._shared import SharedStudy, run_shared, shares_storage
 from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
-from ._study import MirroredStudy, check_storage, enqueue_corners, open_study
+from ._study import (
+    MirroredStudy,
+    check_storage,
+    enqueue_ascending,
+    enqueue_corners,
+    enumerates,
+    open_study,
+)
 
 __all__ = ["search", "SearchInterrupted"]
 
@@ -251,6 +259,11 @@ def search(
         raise no_fit(estimates, budget, limit, estimator, host_limit=host_limit)
     entries = rank_predicted(feasible)
     tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
+    searched = wider or space
+    coverage = coverage_of(objective, searched, enumerated=enumerates(
+        searched, trials, None if shared else sum(1 for c in searched if objective.under_floor(c) is None)))
+    if coverage.note() is not None:
+        notes.append(str(coverage.note()))
     if any(e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
@@ -274,6 +287,7 @@ def search(
         notes=notes,
         compile=compiled,
         structure=structure,
+        coverage=coverage.to_dict(),
     )
     if plot is not None:
         from ._plot import record_plan_plot
@@ -338,14 +352,17 @@ def _run_study(
     objective = Objective(space, estimator, limit, floor=floor, host_limit=host_limit)
     if cache:
         objective.cache.update(cache)
+    survivors = [c for c in space if objective.under_floor(c) is None]
     mirrored, exhaustive = open_study(
         task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage,
-        shared=shared, study_name=study_name,
+        shared=shared, study_name=study_name, survivors=len(survivors),
     )
     if isinstance(mirrored, SharedStudy):
         return objective, mirrored, run_shared(mirrored, objective, trials=trials, exhaustive=exhaustive,
                                                progress=progress)
     objective.resume(mirrored.resumed())
     enqueue_corners(mirrored.study, space, objective.done())
+    if exhaustive:
+        enqueue_ascending(mirrored.study, space, survivors, objective.done())
     interrupted = optimize(mirrored, objective, trials=trials, exhaustive=exhaustive, progress=progress)
     return objective, mirrored, interrupted
