@@ -233,9 +233,7 @@ def optimize(mirrored: MirroredStudy, objective: Objective, *, trials: int, exha
             while left and asked < ROUNDS * budget:
                 mirrored.optimize(objective, n_trials=left, progress=progress)
                 asked += left
-                before, left = left, remaining()
-                if objective.broken or (exhaustive and left >= before):
-                    break  # stopped (a broken model), or the sampler's grid is spent
+                left = 0 if exhaustive or objective.broken else remaining()
         except KeyboardInterrupt:
             interrupted = True  # completed trials are in the storage; plan from them
         finally:

@@ -107,8 +107,11 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_and_leaves_no_partial_file(w
         f"sys.exit(main(['train', {path!r}, '--plan', {str(tmp_path / 'plan.json')!r}, '--out', {str(out)!r},"
         " '--max-steps', '2', '--no-progress']))\n"
     )
+    # A space of two (an enumerated space's plan lists every feasible configuration: a larger
+    # one's plan.json alone would pass the 10 kB limit before the checkpoint is written).
     assert main(["plan", path, "--vram", "1GB", "--global-batch", "8", "--trials", "2", "--probe-top", "0",
-                 "--compile-top", "0", "--out", str(tmp_path / "plan.json")]) == 0
+                 "--compile-top", "0", "--precision", "fp32", "--checkpoint", "0", "--micro-batch", "4,8",
+                 "--out", str(tmp_path / "plan.json")]) == 0
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]

@@ -54,6 +54,8 @@ def test_configurations_pruned_without_a_trace_cost_none_of_the_trial_budget(tmp
     # 110 MB: fp32 and bf16-mixed are known not to fit from the model's states alone (128 MB),
     # so every such trial is pruned; the widened study still estimates its budget of trials.
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))  # a study of its own, not resumed
+    from memplan.planning import _study
+    monkeypatch.setattr(_study, "ENUMERATE_LIMIT", 0)  # sampled (else this small space is enumerated)
     plan = search(_wide_task(), vram="110MB", device="cpu", global_batch=4, probe_top=0, trials=8, seed=3)
     assert plan.best.config.precision == "bf16-true"
     assert plan.trials == 8
