@@ -122,6 +122,7 @@ def fit(
     launch: LaunchSpec | None = None,
     progress: bool | None = None,
     on_plan: Callable[[Plan], None] | None = None,
+    search_effort: float = 0.1,
     **option_values: object,
 ) -> tuple[Plan, TrainResult | None]:
     """Search the configurations of ``model`` under ``vram``, then train the best one.
@@ -143,7 +144,8 @@ def fit(
     said, here or in the settings): compiled when the plan's probes measured it faster
     (``compile_top`` of the best are probed compiled; 0: none). ``on_plan(plan)`` is called
     once the plan is known, before training; ``progress`` shows the search's and the run's
-    progress bars (default: the options', on a terminal).
+    progress bars (default: the options', on a terminal). ``search_effort``: the share of the
+    predicted training time the probes, races and compiled probes may take (``memplan.search``).
 
     >>> plan, result = fit("examples/digits.py", vram="1GB")   # doctest: +SKIP
     >>> plan, result = fit(module, train_data=ds, val_data=val, vram="1GB", epochs=5)  # doctest: +SKIP
@@ -179,7 +181,7 @@ def fit(
                 probe_top=probe_top, compile_top=0 if said is False else compile_top,  # nothing compiled to measure
                 seed=seed, storage=storage, precisions=precisions, strategies=strategies,
                 micro_batch_sizes=micro_batch_sizes, checkpoint_segments=checkpoint_segments,
-                host_memory=host_memory, shape_policy=shape_policy,
+                host_memory=host_memory, shape_policy=shape_policy, search_effort=search_effort,
                 progress=opts.progress and sys.stderr.isatty(), **layout_kwargs(launch),
             )
         if on_plan is not None:

@@ -47,6 +47,7 @@ SEARCH_KEYS: dict[str, str] = {
     "trials": "configurations to estimate",
     "probe_top": "best configurations to measure with real steps",
     "compile_top": "best configurations to probe compiled (0: none)",
+    "search_effort": "share of the predicted training time the probes, races and compiled probes may take (0.1)",
     "seed": "sampler and training seed",
     "storage": "Optuna storage URL",
     "gpus": "devices per machine to plan for",

@@ -129,6 +129,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         default="1",
         help="best configurations to probe compiled with torch.compile (default 1; 0 = none)",
     )
+    p.add_argument("--search-effort", default="0.1",
+                   help="share of the predicted training time the probes, races and compiled probes may take "
+                   "(default 0.1, at least a few seconds)")
     p.add_argument("--seed", default="0", help="sampler seed: same inputs, same plan")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite in ~/.cache/memplan); "
                    "a postgresql:// or mysql:// study is shared by every process given it (docs/shared_studies.md)")
@@ -187,6 +190,19 @@ def _counts(text: str | None, what: str, minimum: int = 1) -> list[int] | None:
     return [parse_count(v.strip(), what=what, minimum=minimum) for v in str(text).split(",") if v.strip()]
 
 
+def _effort(text: str) -> float:
+    from ..planning._effort import check_search_effort
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value:  # not a number: the same one line as any other bad value
+        raise ConfigError(f"--search-effort must be a number > 0 (the share of the predicted training time the "
+                          f"probes, races and compiled probes may take; default 0.1), got {text!r}")
+    return check_search_effort(value)
+
+
 def _names(text: str | None) -> list[str] | None:
     return [v.strip() for v in str(text).split(",") if v.strip()] if text is not None else None
 
@@ -216,6 +232,7 @@ class SearchKwargs(_SharedStudyKwargs):
     storage: str | None
     shape_policy: str
     host_memory: str | None
+    search_effort: float
 
 
 def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
@@ -235,6 +252,7 @@ def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
         storage=args.storage,
         shape_policy=args.shape_policy,
         host_memory=args.host_memory,
+        search_effort=_effort(args.search_effort),
     )
     # Only memplan plan passes them on (fit's search shares a study by its --storage alone).
     given = [f for f, v in (("--study-name", args.study_name), ("--shared", args.shared)) if v is not None]

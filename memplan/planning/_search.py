@@ -28,6 +28,7 @@ from estimators.task._task_data import structure_fingerprint
 
 from ._compile import evaluate_compile
 from ._coverage import coverage_of
+from ._effort import COMPILE_COST_S, DEFAULT_SEARCH_EFFORT, MeasuredBudget, check_search_effort, training_seconds
 from ._inputs import (
     budget_for,
     can_probe,
@@ -119,6 +120,7 @@ def search(
     seq_len: int | None = None,
     shared: bool | None = None,
     study_name: str | None = None,
+    search_effort: float = DEFAULT_SEARCH_EFFORT,
 ) -> Plan:
     """Search the configuration space and return the ranked :class:`Plan`.
 
@@ -165,6 +167,10 @@ def search(
     ``study_name`` names the study (default: a hash of the inputs); a named study refuses
     other inputs. See ``docs/shared_studies.md``.
 
+    ``search_effort``: the share of the predicted training time (the model's settings' epochs or
+    max_steps at the best prediction's speed) that the measured part (probes, races, compiled
+    probes) may take, at least a few seconds; what it leaves out is said in the notes (``._effort``).
+
     ``probe_fn`` and ``race_fn`` replace the real probe and race (tests); with ``probe_fn``
     alone the best are probed, and probes that overturn the prediction are confirmed by
     probing again, not by a race.
@@ -179,6 +185,7 @@ def search(
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
+    search_effort = check_search_effort(search_effort)
     check_storage(storage)  # a bad URL is one line now, not a traceback after the estimates
     task = resolve_task(model, sample, loss=loss, optimizer=optimizer, train_data=train_data, seq_len=seq_len).with_shape_policy(
         shape_policy
@@ -266,15 +273,21 @@ def search(
         notes.append(str(coverage.note()))
     if any(e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
+    # The measured part is budgeted against the predicted training time (its clock starts here).
+    effort = MeasuredBudget(search_effort, training_seconds(task, entries[0], space.global_batch))
     if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
         # Configurations whose step raised when run for real join those that could not be traced.
         entries, probe_notes = probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn, failed)
         notes.extend(probe_notes)
         if not entries:
             raise no_fit(estimates, budget, limit, estimator, measured=True)
-    entries, compiled = evaluate_compile(
-        task, estimator, entries, compile_top if probe_top > 0 else 0, limit, probe_fn, compile_fn, gpu, notes
-    )
+    compile_top = compile_top if probe_top > 0 else 0
+    if (compile_top > 0 and compile_fn is None and probe_fn is None and can_probe(estimator, gpu)
+            and not effort.allows("the compiled probe (torch.compile)", COMPILE_COST_S)):
+        compile_top = 0
+    entries, compiled = evaluate_compile(task, estimator, entries, compile_top, limit, probe_fn, compile_fn, gpu, notes)
+    if effort.note() is not None:
+        notes.append(str(effort.note()))
     plan = build_plan(
         task,
         estimator,
