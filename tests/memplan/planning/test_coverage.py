@@ -44,8 +44,9 @@ def test_a_space_within_the_limit_is_enumerated_whatever_the_trials_and_finds_th
     assert cov["enumerated"] and cov["estimated"] + cov["pruned"] == cov["configurations"] > 2
     assert not any(n.startswith("estimated ") for n in few.notes)
     # The same as a trial budget above the space's size gives (asked whole by the plain rule).
-    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path / "other"))
-    whole = search(_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0, trials=cov["trials_for_all"])
+    # Another study (its own storage), the same machine rates (the cache folder's).
+    whole = search(_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0, trials=cov["trials_for_all"],
+                   storage=f"sqlite:///{tmp_path / 'other.db'}")
     assert whole.best.config == few.best.config
 
 
