@@ -44,6 +44,8 @@ class Objective:
         """Configurations known not to fit without a trace, and why."""
         self.broken = False
         """Every configuration fails alike: the study was stopped (``Failures.shared``)."""
+        self.enumerated = False
+        """The study asked the whole space (``_study.enumerates``), set when it is opened."""
 
     def fits(self, est: Estimate) -> bool:
         """Within the device's limit, and the host's for what it offloads."""

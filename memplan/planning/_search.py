@@ -51,7 +51,6 @@ from ._study import (
     check_storage,
     enqueue_ascending,
     enqueue_corners,
-    enumerates,
     open_study,
 )
 
@@ -267,8 +266,7 @@ def search(
     entries = rank_predicted(feasible)
     tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
     searched = wider or space
-    coverage = coverage_of(objective, searched, enumerated=enumerates(
-        searched, trials, None if shared else sum(1 for c in searched if objective.under_floor(c) is None)))
+    coverage = coverage_of(objective, searched, enumerated=objective.enumerated)
     if coverage.note() is not None:
         notes.append(str(coverage.note()))
     if any(e.config.strategy != "single" for e in entries):
@@ -370,6 +368,7 @@ def _run_study(
         task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage,
         shared=shared, study_name=study_name, survivors=len(survivors),
     )
+    objective.enumerated = exhaustive
     if isinstance(mirrored, SharedStudy):
         return objective, mirrored, run_shared(mirrored, objective, trials=trials, exhaustive=exhaustive,
                                                progress=progress)
