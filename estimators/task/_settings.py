@@ -29,7 +29,13 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from .._errors import ConfigError
 from .._types import Setting
 
-__all__ = ["SETTINGS_KEYS", "check_settings", "near_miss", "warn_ignored"]
+__all__ = ["DEFAULT_EPOCHS", "SETTINGS_KEYS", "check_settings", "near_miss", "warn_ignored"]
+
+DEFAULT_EPOCHS = 3
+"""Passes over the training data when nothing sets a training length (no ``epochs`` or
+``max_steps`` in the options, the config file or the model file's settings): the Hugging Face
+Trainer's ``num_train_epochs``, a length that trains, where one pass rarely does. Here, below the
+trainer and the search, so that the search's predicted training time counts the same length."""
 
 SETTINGS_KEYS: frozenset[str] = frozenset({
     # memplan.training.TrainOptions' options (memplan._option_sources.option_specs())

@@ -14,6 +14,7 @@ import math
 import time
 
 from estimators import ConfigError, Task
+from estimators.task._settings import DEFAULT_EPOCHS
 
 from ._plan import PlanEntry
 
@@ -29,7 +30,6 @@ COMPILE_COST_S = 20.0
 """What probing one configuration compiled costs at least on a CPU (the compile, then a race
 against eager): skipped when less of the budget is left. digits.py: ~30 s on 2 cores."""
 
-_DEFAULT_EPOCHS = 3  # the trainer's (memplan.training.DEFAULT_EPOCHS; planning sits below training)
 
 
 def check_search_effort(value: float) -> float:
@@ -51,9 +51,9 @@ def training_seconds(task: Task, best: PlanEntry, global_batch: int) -> float | 
     settings = task.settings
     steps = settings.get("max_steps")
     if not isinstance(steps, int) or steps <= 0:
-        epochs = settings.get("epochs", _DEFAULT_EPOCHS)
+        epochs = settings.get("epochs", DEFAULT_EPOCHS)
         per_epoch = max(1, size // max(1, global_batch))
-        steps = int(epochs if isinstance(epochs, int | float) else _DEFAULT_EPOCHS) * per_epoch
+        steps = int(epochs if isinstance(epochs, int | float) else DEFAULT_EPOCHS) * per_epoch
     return steps * global_batch / speed
 
 

@@ -16,15 +16,12 @@ from typing import Any, Literal
 import torch
 
 from estimators import ConfigError, StepOptions
+from estimators.task._settings import DEFAULT_EPOCHS
 
 from ._schedules import SCHEDULE_ARGS, SCHEDULES, ScheduleName
 
 __all__ = ["TrainOptions", "DEFAULT_EPOCHS"]
 
-DEFAULT_EPOCHS = 3
-"""Passes over the training data when nothing sets a training length (no ``epochs`` or
-``max_steps`` in the options, the config file or the model file's settings): the Hugging Face
-Trainer's ``num_train_epochs``, a length that trains, where one pass rarely does."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
