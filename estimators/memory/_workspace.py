@@ -44,7 +44,6 @@ stays. Identical calls (a block stack's) run once.
 from __future__ import annotations
 
 import difflib
-import gc
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -54,7 +53,7 @@ import torch
 
 from .._config import TrainConfig
 from ..task._task import Task
-from ..tracing._profiler import memory_profile
+from ..tracing._profiler import collector_paused, memory_profile
 from ..tracing._trace import Trace, trace_step
 
 __all__ = ["WORKSPACE_ANCHORS", "Source", "WorkspaceFit", "aligned_sources", "aligned_workspaces",
@@ -574,10 +573,8 @@ def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source
     from torch._C._profiler import _EventType
 
     news: dict[int, int] = {}
-    collecting = gc.isenabled()
-    gc.disable()  # no garbage from before freed inside the window (see memory_profile)
     try:
-        with torch.no_grad(), memory_profile(collect=False) as prof:
+        with collector_paused(), torch.no_grad(), memory_profile(collect=False) as prof:
             for k, (func, args, kwargs) in enumerate(built):
                 inputs = {t.untyped_storage().data_ptr() for t in _leaves((args, kwargs))}
                 with torch.profiler.record_function(f"memplan_replay::{k}"):
@@ -587,9 +584,6 @@ def _replayed(fit: WorkspaceFit, calls: list[tuple[Source, int]]) -> dict[Source
                 del out
     except Exception:  # noqa: BLE001 - no replay: the fit's figures stand
         return {}
-    finally:
-        if collecting:
-            gc.enable()
 
     def walk(nodes: Any) -> Any:
         for n in nodes:

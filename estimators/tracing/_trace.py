@@ -35,7 +35,7 @@ from ._cuda_semantics import semantics_notes, trace_semantics
 from ._depth import DepthCut, checkpoint_cut, cut_stack, param_blocks, tagged_blocks
 from ._events import EventTable
 from ._fake import build_fake_model, fake_mode, quiet_fake_tensor_log
-from ._profiler import allocated_bytes, event_tree, walk_events
+from ._profiler import allocated_bytes, collector_paused, event_tree, memory_profile, walk_events
 from ._recorder import Category, OnCompute, OpRecord, Recorder, RecordingHooks, recorded_rng_states
 from ._steady import RawEvents, drop_second_micro, repeat_first_step
 
@@ -230,7 +230,10 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
             # A loop variable would keep the last bucket alive past DDP's rebuild.
             p = buf = bucket = None  # noqa: F841
             with contextlib.ExitStack() as stack:
-                prof = stack.enter_context(_memory_profiler()) if rec.label_ops else None
+                prof = None
+                if rec.label_ops:
+                    stack.enter_context(collector_paused())
+                    prof = stack.enter_context(memory_profile(collect=False))
                 stack.enter_context(rec)
                 stack.enter_context(recorded_rng_states(rec))
                 if config.strategy == "fsdp":
@@ -383,11 +386,6 @@ def _canonical_free_order(alloc: list[int], sign: list[int], phase: list[int]) -
         else:
             i += 1
     return a, p
-
-
-def _memory_profiler() -> profile:
-    from ._profiler import memory_profile
-    return memory_profile()
 
 
 def _op_workspaces(prof: profile, new_bytes: list[int]) -> list[int]:
