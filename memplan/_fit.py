@@ -105,7 +105,7 @@ def fit(
     global_batch: int | None = None,
     device: str | None = None,
     gpu: str | None = None,
-    trials: int = 60,
+    trials: int | None = None,
     probe_top: int = 2,
     compile_top: int = 1,
     seed: int = 0,

@@ -120,7 +120,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         help="samples per optimizer step, micro x accumulation x ranks: a training hyper-parameter, "
         "only how it is reached is searched (default: settings['global_batch'] of the model file, else 32)",
     )
-    p.add_argument("--trials", default="60", help="configurations to estimate (default 60)")
+    p.add_argument("--trials", default=None,
+                   help="configurations to estimate (default 60, and every one of a space of up to 200 that "
+                   "the model states do not rule out; given, a larger space than this is sampled)")
     p.add_argument(
         "--probe-top", default="2", help="best configurations to measure with real steps (default 2; 0 = none)"
     )
@@ -225,7 +227,7 @@ class SearchKwargs(_SharedStudyKwargs):
     gpu: str | None
     device: str | None
     global_batch: int | None
-    trials: int
+    trials: int | None
     probe_top: int
     compile_top: int
     seed: int
@@ -245,7 +247,7 @@ def search_kwargs(args: argparse.Namespace) -> SearchKwargs:
         gpu=args.gpu,
         device=args.device,
         global_batch=parse_count(args.global_batch, what="--global-batch") if args.global_batch else None,
-        trials=parse_count(args.trials, what="--trials"),
+        trials=parse_count(args.trials, what="--trials") if args.trials is not None else None,
         probe_top=parse_count(args.probe_top, what="--probe-top", minimum=0),
         compile_top=parse_count(args.compile_top, what="--compile-top", minimum=0),
         seed=parse_count(args.seed, what="--seed", minimum=0),

@@ -47,6 +47,8 @@ from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
 from ._shared import SharedStudy, run_shared, shares_storage
 from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
 from ._study import (
+    DEFAULT_TRIALS,
+    ENUMERATE_LIMIT,
     MirroredStudy,
     check_storage,
     enqueue_ascending,
@@ -76,6 +78,7 @@ class _StudyOptions(TypedDict):
     budget: int
     margin: float
     trials: int
+    enumerate_limit: int
     seed: int | None
     storage: str | None
     progress: bool
@@ -96,7 +99,7 @@ def search(
     global_batch: int | None = None,
     device: str | None = None,
     gpu: str | None = None,
-    trials: int = 60,
+    trials: int | None = None,
     probe_top: int = 2,
     compile_top: int = 1,
     seed: int | None = 0,
@@ -133,7 +136,10 @@ def search(
     ``margin`` is the share of the budget kept free. ``global_batch`` (else the model file's
     ``settings["global_batch"]``, else ``DEFAULT_GLOBAL_BATCH``, 32: a training
     hyper-parameter, not a memory setting) is fixed; the search chooses how it is reached
-    (micro-batch x accumulation x ranks). ``probe_top`` configurations are measured
+    (micro-batch x accumulation x ranks). ``trials`` caps the configurations estimated: by
+    default 60, and a space of up to 200 left once the model states alone rule some out is
+    estimated whole; given, a larger space than ``trials`` is sampled (the plan says how much
+    of it was estimated). ``probe_top`` configurations are measured
     with real steps when the target is the device at hand (not for a ``gpu=`` card that is
     absent): from two on, the two best are raced against each other and the winner's memory
     is probed, and each further one races the measured best; every samples/s of the plan is on
@@ -182,7 +188,7 @@ def search(
     # is the pipeline: inputs, space, lower bound, study, refusal, probes and races, Plan.
     if not 0 <= margin < 1:
         raise ConfigError(f"margin must be in [0, 1), got {margin}")
-    if trials < 1:
+    if trials is not None and trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     search_effort = check_search_effort(search_effort)
     check_storage(storage)  # a bad URL is one line now, not a traceback after the estimates
@@ -242,7 +248,10 @@ def search(
     study = _StudyOptions(
         budget=budget,
         margin=margin,
-        trials=trials,
+        trials=DEFAULT_TRIALS if trials is None else trials,
+        # Not given, the budget is the default's and a space of up to ENUMERATE_LIMIT
+        # configurations is enumerated; given, it is the user's limit (a quick search).
+        enumerate_limit=ENUMERATE_LIMIT if trials is None else trials,
         seed=seed,
         storage=storage,
         progress=progress,
@@ -349,6 +358,7 @@ def _run_study(
     budget: int,
     margin: float,
     trials: int,
+    enumerate_limit: int,
     seed: int | None,
     storage: str | None,
     progress: bool,
@@ -366,7 +376,7 @@ def _run_study(
     survivors = [c for c in space if objective.under_floor(c) is None]
     mirrored, exhaustive = open_study(
         task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage,
-        shared=shared, study_name=study_name, survivors=len(survivors),
+        shared=shared, study_name=study_name, survivors=len(survivors), enumerate_limit=enumerate_limit,
     )
     objective.enumerated = exhaustive
     if isinstance(mirrored, SharedStudy):

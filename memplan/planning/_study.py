@@ -40,7 +40,7 @@ from ._space import SearchSpace
 
 __all__ = ["MirroredStudy", "default_storage", "open_study", "enqueue_corners", "check_storage", "STORAGE_HINT",
            "sqlite_storage", "other_inputs", "enumerates",
-           "ENUMERATE_LIMIT", "enqueue_ascending"]
+           "DEFAULT_TRIALS", "ENUMERATE_LIMIT", "enqueue_ascending"]
 
 STORAGE_HINT = "give an Optuna storage URL such as sqlite:///studies.db or postgresql://user@host/db"
 
@@ -164,19 +164,21 @@ def _study_key(task: Task, estimator: Estimator, budget: int, margin: float, spa
 
 def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, space: SearchSpace, trials: int,
                seed: int | None, storage: str | None, shared: bool = False,
-               study_name: str | None = None, survivors: int | None = None) -> tuple[MirroredStudy | SharedStudy, bool]:
+               study_name: str | None = None, survivors: int | None = None,
+               enumerate_limit: int | None = None) -> tuple[MirroredStudy | SharedStudy, bool]:
     """The study of this task, target, budget and space (resumed when it exists), and whether
     it enumerates the space: a space no larger than ``trials`` is asked whole
     (``BruteForceSampler``), a larger one sampled by a seeded TPE sampler. ``shared``: the
     study runs on the storage, its configurations split with the other processes that open it
     (``._shared``); their samplers are not seeded, or all would ask the same configuration
     first. ``survivors``: the configurations the model states alone do not rule out (a study
-    of one process enumerates up to ``ENUMERATE_LIMIT`` of them). ``study_name`` names the study (else a hash of its inputs does), and the study
-    records the hash of its inputs: a named study of other inputs is refused."""
+    of one process enumerates up to ``enumerate_limit`` of them, default ``ENUMERATE_LIMIT``).
+    ``study_name`` names the study (else a hash of its inputs does), and the study records the
+    hash of its inputs: a named study of other inputs is refused."""
     # Optuna's own warnings (a trial cut short by Ctrl-C) are not the user's business.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     # A shared study splits an enumerated space by the trial budget: it keeps the plain rule.
-    exhaustive = enumerates(space, trials, None if shared else survivors)
+    exhaustive = enumerates(space, trials, None if shared else survivors, enumerate_limit)
     key = _study_key(task, estimator, budget, margin, space)
     name = study_name or _study_name(task, estimator, budget, margin, space)
     with warnings.catch_warnings():
@@ -200,9 +202,13 @@ def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, 
     return mirrored, exhaustive
 
 
+DEFAULT_TRIALS = 60
+"""The trial budget of a search not given one."""
+
 ENUMERATE_LIMIT = 200
-"""A space is enumerated, whatever the trial budget, when at most this many of its
-configurations are left once those whose model states alone exceed the budget are set aside:
+"""A space is enumerated, whatever the default trial budget, when at most this many of its
+configurations are left once those whose model states alone exceed the budget are set aside
+(a budget the user gives is the limit instead: ``--trials 3`` asks for a quick search):
 the others cost no trace, and asked from the least memory up, each miss prunes the larger
 ones of its kind without one. Measured on an 8B model for an A100-80GB (405 configurations,
 135 left by the states): 32 estimated, 123 s on a shared 2-core machine against 183 s for 24
@@ -210,11 +216,13 @@ sampled trials, and a plan 33% faster than
 theirs (``benchmarks/results/search_exhaustive.md``)."""
 
 
-def enumerates(space: SearchSpace, trials: int, survivors: int | None = None) -> bool:
+def enumerates(space: SearchSpace, trials: int, survivors: int | None = None, limit: int | None = None) -> bool:
     """Whether a search of ``trials`` asks the whole of ``space`` (else it samples it):
     when it is no larger than ``trials``, or when ``survivors`` (its configurations that the
-    model states alone do not rule out) are at most ``max(trials, ENUMERATE_LIMIT)``."""
-    return len(space) <= trials or (survivors is not None and survivors <= max(trials, ENUMERATE_LIMIT))
+    model states alone do not rule out) are at most ``max(trials, limit)`` (default
+    ``ENUMERATE_LIMIT``)."""
+    limit = ENUMERATE_LIMIT if limit is None else limit
+    return len(space) <= trials or (survivors is not None and survivors <= max(trials, limit))
 
 
 def other_inputs(name: str, storage: str) -> str:

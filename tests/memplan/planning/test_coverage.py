@@ -1,5 +1,6 @@
 """How much of its space a search estimated: enumerated when what the model states leave is
-small (beyond the trial budget), said in the plan's notes and provenance when sampled."""
+small (beyond the default trial budget; a budget given is the limit), said in the plan's notes
+and provenance when sampled."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn as nn
 
 from estimators import Task
 from memplan import Plan, search
-from memplan.planning import _study
+from memplan.planning import _search
 from memplan.planning._coverage import Coverage
 
 
@@ -25,7 +26,7 @@ def _own_cache(tmp_path, monkeypatch) -> None:
 
 
 def test_a_sampled_space_says_how_much_was_estimated_and_how_to_ask_for_more(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(_study, "ENUMERATE_LIMIT", 0)  # sampled, as any space beyond the limit
+    # A budget given is the limit: a space larger than it is sampled, however small.
     plan = search(_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0, trials=2)
     cov = plan.provenance["search_coverage"]
     assert cov["estimated"] == plan.trials == 2 and not cov["enumerated"]
@@ -38,22 +39,25 @@ def test_a_sampled_space_says_how_much_was_estimated_and_how_to_ask_for_more(mon
     assert "note: estimated 2 of" in plan.table()
 
 
-def test_a_space_within_the_limit_is_enumerated_whatever_the_trials_and_finds_the_best(monkeypatch, tmp_path) -> None:
-    few = search(_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0, trials=2)
-    cov = few.provenance["search_coverage"]
+def test_by_default_a_space_within_the_limit_is_enumerated_and_finds_the_best(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(_search, "DEFAULT_TRIALS", 2)  # the default budget below the space's size
+    default = search(_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0)
+    cov = default.provenance["search_coverage"]
     assert cov["enumerated"] and cov["estimated"] + cov["pruned"] == cov["configurations"] > 2
-    assert not any(n.startswith("estimated ") for n in few.notes)
-    # The same as a trial budget above the space's size gives (asked whole by the plain rule).
+    assert not any(n.startswith("estimated ") for n in default.notes)
+    # The same as a trial budget of the space's size gives (asked whole by the plain rule).
     # Another study (its own storage), the same machine rates (the cache folder's).
     whole = search(_task(), vram="1GB", device="cpu", global_batch=4, probe_top=0, trials=cov["trials_for_all"],
                    storage=f"sqlite:///{tmp_path / 'other.db'}")
-    assert whole.best.config == few.best.config
+    assert whole.provenance["search_coverage"]["enumerated"]
+    assert whole.best.config == default.best.config
 
 
 def test_a_larger_budget_never_gets_a_slower_plan() -> None:
     # Precisions pinned: a budget that only bf16-true fits widens the space to it (it trades
     # precision for memory and is searched only then), so only one space compares.
-    kw = dict(device="cpu", global_batch=4, probe_top=0, trials=2, precisions=["fp32"])
+    # The default budget: spaces this small are enumerated, so each plan is its space's best.
+    kw = dict(device="cpu", global_batch=4, probe_top=0, precisions=["fp32"])
     small = search(_task(), vram="200MB", **kw)  # type: ignore[arg-type]
     large = search(_task(), vram="1GB", **kw)  # type: ignore[arg-type]
     assert small.best.predicted.peak_bytes <= 200e6 * 0.9
