@@ -11,7 +11,7 @@ step), ``memory`` (from a trace to bytes), ``timing`` (from a trace to seconds),
 
 from __future__ import annotations
 
-from ._config import PRECISIONS, Precision, Strategy, TrainConfig, normalize_precision
+from ._config import CHECKPOINT_POLICIES, PRECISIONS, Precision, Strategy, TrainConfig, normalize_precision
 from ._errors import (
     ConfigError,
     MemplanError,
@@ -30,7 +30,7 @@ from .hardware._gpus import GPUSpec, detect_local_gpu, get_gpu, gpu_names
 from .probing._probe import prestart, probe
 from .probing._race import race
 from .runtime._build import BuiltModel, build_for_training, checkpoint_more
-from .runtime._checkpoint import max_checkpoint_segments
+from .runtime._checkpoint import max_checkpoint_segments, recomputes_more
 from .runtime._ema import EMA
 from .runtime._guard import MemoryGuard
 from .runtime._oom import is_oom_error
@@ -52,7 +52,7 @@ from .tracing._simulated_ranks import fsdp_units
 
 __all__ = [
     # configurations, tasks, errors, units
-    "PRECISIONS", "Precision", "Strategy", "TrainConfig", "normalize_precision",
+    "CHECKPOINT_POLICIES", "PRECISIONS", "Precision", "Strategy", "TrainConfig", "normalize_precision",
     "ConfigError", "MemplanError", "ModelFileError", "NoFeasiblePlanError", "ProbeError",
     "TrainingError", "UnknownGPUError",
     "Task", "load_task", "load_source", "hf_task", "is_hf_source", "default_logits_and_targets", "default_loss", "grouped_order",
@@ -64,7 +64,7 @@ __all__ = [
     "write_snapshot", "Timeline", "predicted_timeline", "Category",
     # the training step and its techniques
     "train_step", "make_optimizer", "to_device", "StepHooks", "StepParts", "StepResult", "StepOptions", "training_loss",
-    "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "EMA",
+    "build_for_training", "BuiltModel", "checkpoint_more", "max_checkpoint_segments", "recomputes_more", "EMA",
     "backward", "convert_input", "forward_context", "make_grad_scaler", "optimizer_step", "weight_dtype",
     "StepPrecision",
     "fsdp_units",

@@ -13,9 +13,9 @@ __all__ = ["CheckpointPolicy", "CHECKPOINT_POLICIES", "Precision", "Strategy", "
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"]
 Strategy = Literal["single", "ddp", "fsdp"]
-CheckpointPolicy = Literal["full", "selective"]
+CheckpointPolicy = Literal["full", "selective", "op"]
 
-CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = ("full", "selective")
+CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = ("full", "selective", "op")
 
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true")
 
@@ -43,6 +43,9 @@ def normalize_precision(value: str) -> Precision:
         )
     return _PRECISION_ALIASES[key]
 
+_POLICY_WORDS: dict[str, str] = {"full": "full", "selective": "selective", "op": "op policy"}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """One point of the configuration space.
@@ -62,8 +65,9 @@ class TrainConfig:
     """Blocks of the model's block stack recomputed in backward (0 = none)."""
     checkpoint_policy: CheckpointPolicy = "full"
     """What a checkpointed block keeps: ``full`` keeps only its inputs and recomputes the
-    rest; ``selective`` also keeps the outputs of its matrix products and attention kernels
-    and recomputes only the cheap ops between them (torchtitan's "op" policy; see
+    rest; ``selective`` also keeps the outputs of all its matrix products and attention kernels
+    and recomputes only the cheap ops between them; ``op`` is torchtitan's selective "op"
+    policy, which keeps the attention kernels' outputs and every other ``mm``'s (see
     ``runtime._checkpoint``). Needs ``checkpoint_segments >= 1``."""
     strategy: Strategy = "single"
     """``single`` device, ``ddp`` or ``fsdp`` (FSDP2)."""
@@ -103,7 +107,7 @@ class TrainConfig:
             )
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
             raise ConfigError(
-                f"unknown checkpoint_policy {self.checkpoint_policy!r}; use full or selective"
+                f"unknown checkpoint_policy {self.checkpoint_policy!r}; use full, selective or op"
             )
         if self.checkpoint_policy != "full" and self.checkpoint_segments == 0:
             raise ConfigError(
@@ -172,7 +176,7 @@ class TrainConfig:
         parts.append(self.precision)
         if self.checkpoint_segments:
             parts.append(f"{self.checkpoint_segments} checkpoint segments"
-                         + (f" ({self.checkpoint_policy})" if self.checkpoint_policy != "full" else ""))
+                         + (f" ({_POLICY_WORDS[self.checkpoint_policy]})" if self.checkpoint_policy != "full" else ""))
         if self.strategy != "single":
             parts.append(f"{self.strategy} x{self.world_size}"
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))

@@ -16,12 +16,18 @@ How ``checkpoint_segments = N`` maps onto a model:
   outputs of its matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and attention
   kernels (``scaled_dot_product_*``), through ``create_selective_checkpoint_contexts``:
   backward recomputes only the cheap ops between them (norms, activations, casts, views).
-  This is torchtitan's "op" policy, except that torchtitan keeps every *other* ``mm``; all of
-  them are kept here, so the policy is one decision per op, with no counter whose phase
-  depends on how a block's ops are ordered, and the memory sits clearly between no
+  Every matrix product is kept, so the policy is one decision per op, with no counter whose
+  phase depends on how a block's ops are ordered, and the memory sits clearly between no
   checkpointing and full checkpointing (every kept output is one a plain backward keeps too).
   The policy runs as a dispatch mode, so the fake-tensor trace sees (and prices) exactly the
   tensors it keeps.
+* ``checkpoint_policy = "op"`` is torchtitan's selective "op" policy as its Llama recipes run
+  it: a block keeps the outputs of its attention kernels, reduce-scatters and ``max`` and of
+  every *other* ``aten.mm`` (the first, third, ... of each forward, counted per checkpointed
+  call); ``addmm``, ``bmm`` and every second ``mm`` are recomputed. It keeps less than
+  ``selective`` and more than ``full``. torch 2.13 replays the forward's decisions in the
+  recomputation; a torch that asks the policy again there gets a counter of its own, as in
+  torchtitan, so that both passes count alike.
 * Recomputation changes no state. A block's forward may update buffers as a side effect
   (BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training mode;
   any module's in-place ``self.buf.add_(...)``); its recomputation in backward would update
@@ -66,7 +72,8 @@ from torch.utils.checkpoint import (
 from .._errors import ConfigError
 
 __all__ = ["find_block_stack", "apply_checkpointing", "max_checkpoint_segments", "select_blocks",
-           "SAVED_OPS", "selective_policy", "block_policy"]
+           "SAVED_OPS", "OP_POLICY_SAVED", "selective_policy", "op_policy", "block_policy",
+           "recomputes_more"]
 
 BlockFinder = Callable[[nn.Module], Sequence[nn.Module]]
 
@@ -133,12 +140,51 @@ SAVED_OPS: frozenset[OpOverload] = _ops(
 
 def selective_policy(ctx: SelectiveCheckpointContext, func: OpOverload, *args: object,
                      **kwargs: object) -> CheckpointPolicy:
-    """The "op" policy: keep the outputs of :data:`SAVED_OPS`, recompute everything else."""
+    """The "selective" policy: keep the outputs of :data:`SAVED_OPS`, recompute everything else."""
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_POLICIES: dict[str, Callable[..., CheckpointPolicy] | None] = {"full": None, "selective": selective_policy}
+def _functional(name: str) -> frozenset[OpOverload]:
+    packet = getattr(getattr(torch.ops, "_c10d_functional", None), name, None)
+    return frozenset([packet.default]) if packet is not None and hasattr(packet, "default") else frozenset()
 
+
+_MM = torch.ops.aten.mm.default
+OP_POLICY_SAVED: frozenset[OpOverload] = (
+    _ops("mm", "max", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+         # The CPU's flash kernel: where a CUDA step runs the flash kernel, a CPU step runs this one.
+         "_scaled_dot_product_flash_attention_for_cpu")
+    | _functional("reduce_scatter_tensor")
+)
+"""torchtitan's save list of its "op" policy (``_op_sac_save_list``), with the CPU's flash kernel."""
+
+
+def op_policy() -> Callable[..., CheckpointPolicy]:
+    """A fresh "op" policy (torchtitan's) for one checkpointed call: its ``mm`` counters start at
+    zero, one for the forward and one for the recomputation."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: SelectiveCheckpointContext, func: OpOverload, *args: object,
+               **kwargs: object) -> CheckpointPolicy:
+        if func == _MM:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in OP_POLICY_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+PolicyFactory = Callable[[], Callable[..., CheckpointPolicy]]
+
+_POLICIES: dict[str, PolicyFactory | None] = {
+    "full": None, "selective": lambda: selective_policy, "op": op_policy,
+}
+"""Per policy name, what makes one checkpointed call's policy (None: keep only the inputs)."""
+
+_RECOMPUTES = {"selective": 0, "op": 1, "full": 2}
+"""How much each policy recomputes, in order: a block asked to recompute more does, never less."""
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _BATCH_NORM_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
@@ -266,15 +312,15 @@ class _Nested:
             self.outer.__exit__(kind, exc, tb)
 
 
-def _contexts(block: nn.Module, policy_fn: Callable[..., CheckpointPolicy] | None
+def _contexts(block: nn.Module, factory: PolicyFactory | None
               ) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
     """``context_fn`` of one checkpointed call: the buffer guard around the selective policy's
     pair of modes (outside them, so that the policy never sees the guard's copies)."""
     guard = _BufferGuard(block)
-    if policy_fn is None:
+    if factory is None:
         forward, recompute = nullcontext(), nullcontext()
-    else:  # a fresh pair per call: each holds the kept outputs of one forward
-        forward, recompute = create_selective_checkpoint_contexts(policy_fn)
+    else:  # a fresh pair per call: each holds the kept outputs of one forward (and its counters)
+        forward, recompute = create_selective_checkpoint_contexts(factory())
     return _Nested(guard.forward(), forward), _Nested(guard.recompute(), recompute)
 
 
@@ -287,7 +333,7 @@ class _Checkpointed:
         self.block = block
 
     def __call__(self, *args: object, **kwargs: object) -> object:
-        policy_fn = _POLICIES[self.policy]
+        factory = _POLICIES[self.policy]
         # The block's keyword arguments bound here, not passed through checkpoint's own
         # ``**kwargs``, where one named like its options (``debug``) would be taken for it;
         # the non-reentrant checkpoint calls (and recomputes) the function with them as is.
@@ -296,16 +342,21 @@ class _Checkpointed:
             # Compiled, the graph's recomputation does not replay buffer updates (they are graph
             # outputs), and context_fn must return dispatch modes: the policy's alone (see the
             # module docstring for a block that breaks the graph).
-            if policy_fn is None:
+            if factory is None:
                 return checkpoint(forward, *args, use_reentrant=False)
             return checkpoint(forward, *args, use_reentrant=False,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts, policy_fn))
-        context_fn = functools.partial(_contexts, self.block, policy_fn)
+                              context_fn=lambda: create_selective_checkpoint_contexts(factory()))
+        context_fn = functools.partial(_contexts, self.block, factory)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
 
 
+def recomputes_more(policy: str, than: str) -> bool:
+    """Does a block checkpointed with ``policy`` recompute more (keep less) than with ``than``?"""
+    return _RECOMPUTES[policy] > _RECOMPUTES[than]
+
+
 def block_policy(block: nn.Module) -> str | None:
-    """How ``block`` is checkpointed: ``"full"``, ``"selective"``, or None (not at all)."""
+    """How ``block`` is checkpointed: ``"full"``, ``"selective"``, ``"op"``, or None (not at all)."""
     forward = block.__dict__.get("forward")
     return forward.policy if isinstance(forward, _Checkpointed) else None
 
@@ -314,13 +365,13 @@ def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | N
                         policy: str = "full") -> int:
     """Checkpoint ``segments`` blocks of the model's block stack in place; returns how many.
 
-    ``policy`` is ``"full"`` or ``"selective"`` (see the module docstring). Applying it again
-    is idempotent, and only ever recomputes more: a selective block asked to be full becomes
-    full, a full one stays full (the OOM ladder only steps down in memory).
+    ``policy`` is ``"full"``, ``"selective"`` or ``"op"`` (see the module docstring). Applying
+    it again is idempotent, and only ever recomputes more: a selective block asked to be full
+    (or "op") becomes so, a full one stays full (the OOM ladder only steps down in memory).
     Raises ``ConfigError`` when more segments are asked than the stack has blocks.
     """
     if policy not in _POLICIES:
-        raise ConfigError(f"unknown checkpoint policy {policy!r}; use full or selective")
+        raise ConfigError(f"unknown checkpoint policy {policy!r}; use {', '.join(_POLICIES)}")
     if segments == 0:
         return 0
     blocks = find_block_stack(model, finder)
@@ -335,8 +386,8 @@ def apply_checkpointing(model: nn.Module, segments: int, finder: BlockFinder | N
         block = blocks[index]
         current = block.__dict__.get("forward")
         if isinstance(current, _Checkpointed):
-            if current.policy == "selective" and policy == "full":
-                current.policy = "full"
+            if recomputes_more(policy, current.policy):
+                current.policy = policy
             continue
         block.forward = _Checkpointed(block.forward, policy, block)
     return len(chosen)

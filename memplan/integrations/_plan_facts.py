@@ -57,13 +57,17 @@ def seq_len(plan: Plan) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+_KEPT = {"selective": "selective checkpointing (matmul outputs kept)",
+         "op": "op-policy checkpointing (attention and every other matmul output kept)"}
+
+
 def checkpointing_caveat(lay: Layout, tool: str, every: str = "every layer") -> list[str]:
     """The plan checkpoints some blocks; a tool that checkpoints all or none says so."""
     out = []
     if lay.checkpoint_segments:
         out.append(f"the plan checkpoints {lay.checkpoint_segments} block(s); {tool} checkpoints {every}: where the "
                    "model has more blocks, it saves more memory than planned and runs slower")
-        if lay.checkpoint_policy == "selective":
-            out.append(f"the plan's selective checkpointing (matmul outputs kept) has no {tool} setting: full "
+        if lay.checkpoint_policy != "full":
+            out.append(f"the plan's {_KEPT[lay.checkpoint_policy]} has no {tool} setting: full "
                        "checkpointing is exported (less memory, slower than planned)")
     return out

@@ -421,8 +421,8 @@ class Plan:
                     c.micro_batch_size,
                     c.grad_accum_steps,
                     c.precision,
-                    f"{c.checkpoint_segments} selective"
-                    if c.checkpoint_policy == "selective"
+                    f"{c.checkpoint_segments} {c.checkpoint_policy}"
+                    if c.checkpoint_policy != "full"
                     else c.checkpoint_segments,
                     f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
                     _offloads(e),

@@ -41,6 +41,7 @@ from estimators import (
     checkpoint_more,
     default_loss,
     make_optimizer,
+    recomputes_more,
     training_loss,
 )
 
@@ -372,8 +373,8 @@ class Trainer:
         old = self.config
         if new.global_batch != old.global_batch:
             raise ConfigError(f"cannot switch from global batch {old.global_batch} to {new.global_batch}")
-        if new.checkpoint_segments > old.checkpoint_segments or (
-            new.checkpoint_policy == "full" and old.checkpoint_policy != "full"
+        if new.checkpoint_segments > old.checkpoint_segments or recomputes_more(
+            new.checkpoint_policy, old.checkpoint_policy
         ):
             # Idempotent per block: blocks checkpointed already stay so (only ever stepping down);
             # a compiled forward is compiled again from the same wrapper as at setup.

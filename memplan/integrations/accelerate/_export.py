@@ -95,8 +95,8 @@ def caveats(plan: Plan) -> list[str]:
         if lay.checkpoint_segments:
             out.append(f"checkpoint {lay.checkpoint_segments} block(s) in the script (torch.utils.checkpoint, or "
                        "model.gradient_checkpointing_enable() for a transformers model): accelerate has no flag")
-    elif lay.checkpoint_policy == "selective":
-        out.append("the plan's selective checkpointing has no accelerate setting: fsdp_activation_checkpointing "
+    elif lay.checkpoint_policy != "full":
+        out.append(f"the plan's {lay.checkpoint_policy} checkpointing has no accelerate setting: fsdp_activation_checkpointing "
                    "checkpoints whole layers (less memory, slower than planned)")
     if lay.precision in ("bf16-true", "fp16-true"):
         out.append(f"{lay.precision}: mixed_precision stays 'no'; cast the model to "

@@ -64,6 +64,8 @@ CUDA_CONFIGS = {
                                                        checkpoint_segments=2)),
     "bf16-mixed, every block selective": (5, TrainConfig(micro_batch_size=2, precision="bf16-mixed",
                                                          checkpoint_segments=5, checkpoint_policy="selective")),
+    "bf16-mixed, 2 of 7 with torchtitan's op policy": (7, TrainConfig(
+        micro_batch_size=2, precision="bf16-mixed", checkpoint_segments=2, checkpoint_policy="op")),
     "fp16-mixed, accumulation": (5, TrainConfig(micro_batch_size=2, grad_accum_steps=4, precision="fp16-mixed")),
     "bf16-mixed, offloaded activations": (5, TrainConfig(micro_batch_size=2, precision="bf16-mixed",
                                                          offload_activations=True)),
