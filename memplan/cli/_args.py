@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypedDict
 
-from estimators import ConfigError, Task, TrainConfig, load_source, normalize_precision, parse_count
+from estimators import (
+    CHECKPOINT_POLICIES,
+    ConfigError,
+    Task,
+    TrainConfig,
+    load_source,
+    normalize_precision,
+    parse_count,
+)
 
 if TYPE_CHECKING:
     from ..training import LaunchSpec
@@ -61,16 +69,62 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         "--precision", default="fp32", help="fp32 | bf16-mixed (bf16) | fp16-mixed (fp16, 16) | bf16-true | fp16-true"
     )
     p.add_argument("--checkpoint", default="0", help="activation-checkpointed blocks (0 = none)")
+    p.add_argument("--checkpoint-policy", default="full", choices=CHECKPOINT_POLICIES,
+                   help="what a checkpointed block keeps: full (its inputs only, default), selective (also every "
+                   "matmul and attention output), op (torchtitan's: attention outputs and every other mm's)")
     p.add_argument("--gpu", default=None, help="plan for this card (e.g. A100-80GB) without having it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    g = p.add_argument_group("layout and memory techniques (one configuration: every field of the plan's config)")
+    g.add_argument("--strategy", default=None, choices=("single", "ddp", "fsdp"),
+                   help="single (default on one device), ddp or fsdp (FSDP2); needed with more than one device")
+    g.add_argument("--gpus", default="1", help="devices per machine (default 1); ranks = --gpus x --nodes")
+    g.add_argument("--nodes", default="1", help="machines the ranks are spread over (default 1)")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="FSDP2's CPU offload: parameters, gradients and optimizer state in host memory "
+                   "(the strategy defaults to fsdp)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="keep the tensors saved for backward in host memory between forward and backward")
+    g.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step each parameter in backward as soon as its gradient is ready (one device, no --accum)")
+    g.add_argument("--length-grouped", action="store_true",
+                   help="batch items of similar size together (items of varying shape only)")
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
+    """The one configuration the flags of ``add_config_args`` describe; a bad mix of them is a
+    ``ConfigError`` naming the flags."""
+    gpus = parse_count(args.gpus, what="--gpus")
+    nodes = parse_count(args.nodes, what="--nodes")
+    segments = parse_count(args.checkpoint, what="--checkpoint", minimum=0)
+    world = gpus * nodes
+    strategy = args.strategy
+    if strategy is None:
+        if world > 1:
+            raise ConfigError(f"{world} ranks (--gpus {gpus} x --nodes {nodes}) need a data-parallel strategy; "
+                              "add --strategy ddp or --strategy fsdp")
+        strategy = "fsdp" if args.cpu_offload else "single"
+    if strategy == "single" and world > 1:
+        raise ConfigError(f"--strategy single runs one device, but --gpus {gpus} x --nodes {nodes} is {world}; "
+                          "use --strategy ddp or fsdp, or drop --gpus/--nodes")
+    if args.cpu_offload and strategy != "fsdp":
+        raise ConfigError(f"--cpu-offload is FSDP2's offload, but --strategy is {strategy}; use --strategy fsdp "
+                          "(one device offloads too)")
+    if args.checkpoint_policy != "full" and segments == 0:
+        raise ConfigError(f"--checkpoint-policy {args.checkpoint_policy} applies to checkpointed blocks; "
+                          "add --checkpoint N (N >= 1 blocks)")
     return TrainConfig(
         micro_batch_size=parse_count(args.batch_size, what="--batch-size"),
         grad_accum_steps=parse_count(args.accum, what="--accum"),
         precision=normalize_precision(args.precision),
-        checkpoint_segments=parse_count(args.checkpoint, what="--checkpoint", minimum=0),
+        checkpoint_segments=segments,
+        checkpoint_policy=args.checkpoint_policy,
+        strategy=strategy,
+        world_size=world,
+        nodes=nodes,
+        cpu_offload=args.cpu_offload,
+        offload_activations=args.offload_activations,
+        optimizer_in_backward=args.optimizer_in_backward,
+        length_grouped=args.length_grouped,
     )
 
 

@@ -1,0 +1,76 @@
+"""Every field of a configuration is a flag of ``memplan estimate`` and ``memplan probe``: the
+flags build the configuration the Python API would, the estimate is that configuration's, and
+a bad mix of them is one line naming the flags, exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from estimators import Estimator, TrainConfig, load_task
+from memplan.cli import main
+
+MODEL = """
+import torch, torch.nn as nn
+from torch.utils.data import TensorDataset
+
+def model():
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+
+def train_data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+"""
+
+
+def _estimate(capsys: pytest.CaptureFixture[str], path: str, *argv: str) -> tuple[int, dict, str]:
+    code = main(["estimate", path, "--json", *argv])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else {}), err
+
+
+@pytest.mark.parametrize("argv, config", [
+    (["-b", "4", "--gpus", "2", "--nodes", "2", "--strategy", "fsdp", "--checkpoint", "2",
+      "--checkpoint-policy", "op", "--precision", "bf16", "--offload-activations"],
+     TrainConfig(micro_batch_size=4, precision="bf16-mixed", strategy="fsdp", world_size=4, nodes=2,
+                 checkpoint_segments=2, checkpoint_policy="op", offload_activations=True)),
+    (["-b", "4", "--cpu-offload"], TrainConfig(micro_batch_size=4, strategy="fsdp", cpu_offload=True)),
+    (["-b", "2", "--accum", "3", "--gpus", "2", "--strategy", "ddp", "--checkpoint", "1", "--checkpoint-policy",
+      "selective"],
+     TrainConfig(micro_batch_size=2, grad_accum_steps=3, strategy="ddp", world_size=2, checkpoint_segments=1,
+                 checkpoint_policy="selective")),
+    (["-b", "4", "--length-grouped"], TrainConfig(micro_batch_size=4, length_grouped=True)),
+], ids=["fsdp-over-nodes-op-policy", "cpu-offload", "ddp-selective", "length-grouped"])
+def test_the_flags_build_the_configuration_and_estimate_it(argv, config, write_model, capsys) -> None:
+    path = write_model(MODEL)
+    code, data, err = _estimate(capsys, path, "--gpu", "A100-80GB", *argv)
+    assert code == 0, err
+    assert TrainConfig.from_dict(data["config"]) == config
+    # The same estimate as the Python API's for that configuration.
+    expected = Estimator(load_task(path), gpu="A100-80GB").shape_distribution(config, exact=True)
+    assert data["peak_allocated_bytes"] == expected.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--gpus", "2"], "add --strategy ddp or --strategy fsdp"),
+    (["--gpus", "2", "--strategy", "single"], "--strategy single runs one device"),
+    (["--cpu-offload", "--strategy", "ddp"], "--cpu-offload is FSDP2's offload"),
+    (["--checkpoint-policy", "op"], "add --checkpoint N"),
+    (["--nodes", "0"], "--nodes must be a whole number"),
+    (["--optimizer-in-backward", "--accum", "2"], "cannot accumulate"),
+    # The flag reaches the step's checks: the default step clips by the global norm.
+    (["--optimizer-in-backward"], "optimizer_in_backward cannot clip by the global gradient norm"),
+])
+def test_a_bad_mix_of_flags_is_one_line_naming_them(argv, expected, write_model, capsys) -> None:
+    path = write_model(MODEL)
+    code, _, err = _estimate(capsys, path, "-b", "4", *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_a_probe_of_several_ranks_is_refused_in_one_line(write_model, capsys) -> None:
+    path = write_model(MODEL)
+    code = main(["probe", path, "-b", "4", "--gpus", "2", "--strategy", "ddp"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "probes run one process" in err, err
