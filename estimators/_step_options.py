@@ -7,6 +7,9 @@ the trainer run the same step.
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +45,37 @@ class StepOptions:
             raise ConfigError(f"StepOptions.ema_decay must be in (0, 1) or None, got {self.ema_decay!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"StepOptions.label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, object], where: str) -> StepOptions:
+        """The step a model file's ``settings`` ask the trainer for: ``grad_clip`` (None: no
+        clipping), ``grad_clip_mode``, ``ema_decay`` and ``label_smoothing``, the trainer's
+        defaults for those left out -- what ``TrainOptions`` makes of the same keys, so that a
+        plan or an estimate of the file is of the step its training runs. A bad value is a
+        ``ConfigError`` naming the key and ``where``."""
+        def number(key: str, default: float | None) -> float | None:
+            value = settings.get(key, default)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ConfigError(f"settings[{key!r}] in {where} must be a number, got {value!r}; "
+                                  "write e.g. 0.1, or leave it out for the default")
+            return float(value)
+
+        threshold = number("grad_clip", 1.0)
+        mode = settings.get("grad_clip_mode", "norm")
+        if mode not in ("norm", "value", "off"):
+            raise ConfigError(f"settings['grad_clip_mode'] in {where} must be 'norm', 'value' or 'off', got {mode!r}")
+        try:
+            return cls(clip="off" if threshold is None else mode,  # checked above
+                       clip_threshold=threshold or 1.0, ema_decay=number("ema_decay", None),
+                       label_smoothing=number("label_smoothing", 0.0) or 0.0)
+        except ConfigError as exc:
+            text = str(exc)
+            for field, key in (("clip_threshold", "grad_clip"), ("ema_decay", "ema_decay"),
+                               ("label_smoothing", "label_smoothing")):
+                text = text.replace(f"StepOptions.{field}", f"settings[{key!r}] in {where}")
+            raise ConfigError(text) from None
 
     def key(self) -> tuple[ClipMode, bool, bool, bool]:
         """What distinguishes two steps' memory (for caches): the threshold's value does not."""

@@ -147,7 +147,8 @@ class Task:
     loader can form; ``p99``, the 99th percentile of an epoch's; ``median`` (for reports)."""
     step: StepOptions = field(default_factory=StepOptions)
     """What the training step runs besides forward, backward and the optimizer step
-    (clipping, EMA, label smoothing): the trainer's defaults unless :meth:`with_step` says."""
+    (clipping, EMA, label smoothing): a model file's or module's ``settings`` say
+    (``StepOptions.from_settings``), else the trainer's defaults, unless :meth:`with_step` says."""
     _cache: dict[Hashable, object] = field(default_factory=dict, repr=False)
     """The loaded dataset, its shapes and batch templates: loaded once per task, dropped with it.
     Values of several kinds (the user's dataset and batches among them), each read back only
@@ -197,6 +198,8 @@ class Task:
             build_scheduler=scheduler,
             sample_fn=sample_fn,
             settings=dict(settings or {}),
+            # The step the settings ask the trainer for is the one estimated.
+            step=StepOptions.from_settings(settings or {}, name or type(module).__name__),
             prebuilt=module,
             source_hash=module_fingerprint(module, sample_fn, train_data),
         )
@@ -392,6 +395,7 @@ def load_task(path: str | Path) -> Task:
         checkpoint_blocks=blocks,
         item_sizes=sizes,
         settings=dict(settings),
+        step=StepOptions.from_settings(settings, p.name),  # the step the settings ask the trainer for
         source_path=str(p.resolve()),
         source_hash=_file_hash(p),
     )
