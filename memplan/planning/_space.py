@@ -426,15 +426,18 @@ def optimizer_in_backward_excluded(task: Task) -> str | None:
     return None
 
 
-FRUGAL_TECHNIQUES = (Technique("selective-checkpointing", (("checkpoint_policy", "selective"),)),)
-"""Searched when nothing fits with the standard axes: exact, but slower than what they replace."""
+FRUGAL_TECHNIQUES = (Technique("selective-checkpointing", (("checkpoint_policy", "selective"),)),
+                     Technique("op-checkpointing", (("checkpoint_policy", "op"),)))
+"""Searched when nothing fits with the standard axes: exact, but slower than what they replace.
+The checkpointed blocks keep their matmul outputs (selective), or torchtitan's every other one
+(op: between selective and full in memory and recomputation)."""
 
 
 def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned: bool) -> SearchSpace | None:
     """``space`` widened with the techniques that trade speed or precision for memory, for
     when nothing fits without them: pure bf16 (``bf16-true``: weights, gradients and optimizer
     state in bf16) where the device has bf16 and the precisions were not pinned, selective
-    checkpointing, the optimizer step in backward (one device, no accumulation, unless the
+    and op-policy checkpointing, the optimizer step in backward (one device, no accumulation, unless the
     step clips by the global norm), and on a GPU activation offloading and FSDP2's CPU offload
     (one rank, or every FSDP2 layout's). None when there is nothing to add."""
     from dataclasses import replace

@@ -54,8 +54,19 @@ def test_configurations_pruned_without_a_trace_cost_none_of_the_trial_budget(tmp
     # 110 MB: fp32 and bf16-mixed are known not to fit from the model's states alone (128 MB),
     # so every such trial is pruned; the widened study still estimates its budget of trials.
     monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))  # a study of its own, not resumed
-    from memplan.planning import _study
-    monkeypatch.setattr(_study, "ENUMERATE_LIMIT", 0)  # sampled (else this small space is enumerated)
+    # A trial budget given is the enumeration's limit: this space, larger than 8, is sampled.
     plan = search(_wide_task(), vram="110MB", device="cpu", global_batch=4, probe_top=0, trials=8, seed=3)
     assert plan.best.config.precision == "bf16-true"
     assert plan.trials == 8
+
+
+def test_the_widened_space_checkpoints_with_the_selective_and_the_op_policy() -> None:
+    from estimators import Estimator
+    from memplan.planning._space import build_space, frugal_space
+    space = build_space(dataset_size=None, global_batch=4, precisions=("fp32",), max_segments=2)
+    wide = frugal_space(space, Estimator(_wide_task(), device="cpu"), precisions_pinned=True)
+    assert wide is not None
+    policies = {c.checkpoint_policy for c in wide if c.checkpoint_segments}
+    assert policies == {"full", "selective", "op"}, policies
+    # Never without checkpointed blocks: a policy of nothing is the plain configuration.
+    assert all(c.checkpoint_policy == "full" for c in wide if not c.checkpoint_segments)
