@@ -4,8 +4,9 @@
     python benchmarks/search_exhaustive.py --models 8b --targets A100-40GB A100-80GB --out /tmp/ex.md
 
 Each cell (``benchmarks/fit_big.py``'s model, sequence length and target) runs in a process of
-its own with an empty cache: ``memplan.search(gpu=..., trials=T, probe_top=0)`` as fit_big
-runs it (the chosen plan, its wall time and what its plan says it covered), then the same
+its own with an empty cache: ``memplan.search(gpu=..., probe_top=0)``, a search not given a
+trial budget whose default is fit_big's T (the chosen plan, its wall time and what its plan
+says it covered; a budget given would be the enumeration's limit), then the same
 search again with a trial budget larger than the space, which resumes the study and estimates
 every configuration the first left (the exhaustive best of the same space; a configuration
 pruned without a trace is one known not to fit). ``--enumerate-limit N`` sets
@@ -42,19 +43,20 @@ def run_cell(model: str, seq: int, target: str, trials: int, limit: int | None) 
 
     import memplan
     from estimators import NoFeasiblePlanError
-    from memplan.planning import _study
+    from memplan.planning import _search
 
+    _search.DEFAULT_TRIALS = trials  # the chosen search is a default search with fit_big's budget
     if limit is not None:
-        _study.ENUMERATE_LIMIT = limit
+        _search.ENUMERATE_LIMIT = limit
     gpu, gpus = TARGETS[target]
     task = llama3_task(model, seq)
-    cell: dict = {"model": model, "seq": seq, "target": target, "trials": trials, "limit": _study.ENUMERATE_LIMIT,
+    cell: dict = {"model": model, "seq": seq, "target": target, "trials": trials, "limit": _search.ENUMERATE_LIMIT,
                   "load_at_start": os.getloadavg()[0]}
     kwargs = dict(gpu=gpu, gpus=gpus, global_batch=GLOBAL_BATCH[model], progress=False, host_memory="128GB",
                   probe_top=0, compile_top=0)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["MEMPLAN_CACHE_DIR"] = cache
-        for name, n in (("chosen", trials), ("exhaustive", 10**6)):
+        for name, n in (("chosen", None), ("exhaustive", 10**6)):
             t0, c0 = time.perf_counter(), time.process_time()
             try:
                 plan = memplan.search(task, trials=n, **kwargs)
@@ -87,8 +89,8 @@ def render(cells: list[dict], command: str, note: str) -> str:
     lines = ["# The chosen plan against the exhaustive best of its space (fit_big cells, no GPU present)", "",
              f"- command: `{command}`", f"- machine: {_machine()}",
              f"- run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}" + (f"; {note}" if note else ""), "",
-             "Chosen: `memplan.search(task, gpu=..., trials=T, probe_top=0, compile_top=0)` as "
-             "benchmarks/fit_big.py runs it, in a process with an empty cache; exhaustive: the same search "
+             "Chosen: `memplan.search(task, gpu=..., probe_top=0, compile_top=0)`, a search given no trial "
+             "budget whose default is benchmarks/fit_big.py's T, in a process with an empty cache; exhaustive: the same search "
              "again with trials above the space's size (it resumes the study and estimates the rest). "
              "Coverage: what the chosen plan's `provenance['search_coverage']` says.", "",
              "| model / seq / target | chosen | chosen configuration | coverage of the chosen search | "
