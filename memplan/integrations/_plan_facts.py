@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..planning import Plan
 
-__all__ = ["Layout", "layout", "seq_len"]
+__all__ = ["KEPT_BY_POLICY", "Layout", "layout", "seq_len"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,9 @@ def seq_len(plan: Plan) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-_KEPT = {"selective": "selective checkpointing (matmul outputs kept)",
-         "op": "op-policy checkpointing (attention and every other matmul output kept)"}
+KEPT_BY_POLICY = {"selective": "selective checkpointing (matmul outputs kept)",
+                  "op": "op-policy checkpointing (attention and every other matmul output kept)"}
+"""What a checkpoint policy other than full keeps, in the words of the exports' caveats."""
 
 
 def checkpointing_caveat(lay: Layout, tool: str, every: str = "every layer") -> list[str]:
@@ -68,6 +69,6 @@ def checkpointing_caveat(lay: Layout, tool: str, every: str = "every layer") -> 
         out.append(f"the plan checkpoints {lay.checkpoint_segments} block(s); {tool} checkpoints {every}: where the "
                    "model has more blocks, it saves more memory than planned and runs slower")
         if lay.checkpoint_policy != "full":
-            out.append(f"the plan's {_KEPT[lay.checkpoint_policy]} has no {tool} setting: full "
+            out.append(f"the plan's {KEPT_BY_POLICY[lay.checkpoint_policy]} has no {tool} setting: full "
                        "checkpointing is exported (less memory, slower than planned)")
     return out

@@ -6,7 +6,7 @@ import json
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._plan_facts import checkpointing_caveat, layout
+from .._plan_facts import KEPT_BY_POLICY, checkpointing_caveat, layout
 
 if TYPE_CHECKING:
     from ...planning import Plan
@@ -96,8 +96,8 @@ def caveats(plan: Plan) -> list[str]:
             out.append(f"checkpoint {lay.checkpoint_segments} block(s) in the script (torch.utils.checkpoint, or "
                        "model.gradient_checkpointing_enable() for a transformers model): accelerate has no flag")
     elif lay.checkpoint_policy != "full":
-        out.append(f"the plan's {lay.checkpoint_policy} checkpointing has no accelerate setting: fsdp_activation_checkpointing "
-                   "checkpoints whole layers (less memory, slower than planned)")
+        out.append(f"the plan's {KEPT_BY_POLICY[lay.checkpoint_policy]} has no accelerate setting: "
+                   "fsdp_activation_checkpointing checkpoints whole layers (less memory, slower than planned)")
     if lay.precision in ("bf16-true", "fp16-true"):
         out.append(f"{lay.precision}: mixed_precision stays 'no'; cast the model to "
                    f"{'bf16' if lay.precision == 'bf16-true' else 'fp16'} in the script")
