@@ -72,7 +72,12 @@ class TrainConfig:
     strategy: Strategy = "single"
     """``single`` device, ``ddp`` or ``fsdp`` (FSDP2)."""
     world_size: int = 1
-    """Data-parallel processes."""
+    """Data-parallel replicas (each of ``tp`` processes when ``tp > 1``: :attr:`ranks`)."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's attention and MLP linears split over ``tp``
+    processes of one node (DTensor ``ColwiseParallel``/``RowwiseParallel``, see
+    ``runtime._tensor_parallel``), which see the same batch. With ``strategy='fsdp'`` the
+    ``world_size`` replicas shard what is left (FSDP2 x TP on a 2-D device mesh)."""
     nodes: int = 1
     """Machines the ``world_size`` processes are spread over, evenly (``world_size % nodes ==
     0``): collectives between nodes cross the network, which the step-time model prices."""
@@ -97,7 +102,7 @@ class TrainConfig:
     On a CPU device nothing moves (host memory is the device's)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes"):
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -130,11 +135,23 @@ class TrainConfig:
                 "strategy='fsdp' (world_size=1 offloads a single device) or cpu_offload=False")
         if not isinstance(self.offload_activations, bool):
             raise ConfigError(f"offload_activations must be True or False, got {self.offload_activations!r}")
+        _check_tensor_parallel(self)
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
                 "use a world size that is a multiple of the node count"
             )
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Are the parameters DTensor shards (FSDP2, tensor parallelism)? Then state dicts,
+        checkpoints and evaluation go through ``torch.distributed``'s sharded paths."""
+        return self.strategy == "fsdp" or self.tp > 1
+
+    @property
+    def ranks(self) -> int:
+        """Processes the configuration runs on: ``world_size`` replicas of ``tp`` each."""
+        return self.world_size * self.tp
 
     @property
     def global_batch(self) -> int:
@@ -157,6 +174,8 @@ class TrainConfig:
             del d["cpu_offload"]  # likewise
         if not self.offload_activations:
             del d["offload_activations"]  # likewise
+        if self.tp == 1:
+            del d["tp"]  # likewise
         return d
 
     @classmethod
@@ -179,7 +198,10 @@ class TrainConfig:
                          + (f" ({_POLICY_WORDS[self.checkpoint_policy]})" if self.checkpoint_policy != "full" else ""))
         if self.strategy != "single":
             parts.append(f"{self.strategy} x{self.world_size}"
+                         + (f" x tp {self.tp}" if self.tp > 1 else "")
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
+        elif self.tp > 1:
+            parts.append(f"tp {self.tp}")
         if self.length_grouped:
             parts.append("length-grouped")
         if self.optimizer_in_backward:
@@ -189,6 +211,22 @@ class TrainConfig:
         if self.offload_activations:
             parts.append("activations offloaded")
         return ", ".join(parts)
+
+
+def _check_tensor_parallel(config: TrainConfig) -> None:
+    # The layouts that are traced, probed and trained with tensor parallelism; the others are
+    # refused rather than run untested.
+    if config.tp == 1:
+        return
+    if config.strategy == "ddp":
+        raise ConfigError(
+            f"tp {config.tp} combines with FSDP2 for data parallelism, not DDP; use strategy='fsdp' "
+            "(or strategy='single' for tensor parallelism alone)")
+    if config.cpu_offload:
+        raise ConfigError(f"cpu_offload is not combined with tp {config.tp}; set tp=1 or cpu_offload=False")
+    if config.optimizer_in_backward:
+        raise ConfigError(
+            f"optimizer_in_backward is not combined with tp {config.tp}; set tp=1 or optimizer_in_backward=False")
 
 
 def _check_optimizer_in_backward(config: TrainConfig) -> None:

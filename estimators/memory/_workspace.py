@@ -170,16 +170,17 @@ def workspace_at(measured: np.ndarray, batch: int) -> np.ndarray:
 def fit_key(config: TrainConfig) -> tuple[Any, ...]:
     """Configurations sharing a fit: one device needs the precision and checkpointing (the
     accumulation runs the same kernels); DDP and FSDP2 run other ops in their first step and
-    in skipped-sync micro-batches, so their layout and accumulation count too."""
-    if config.strategy == "single":
+    in skipped-sync micro-batches, so their layout and accumulation count too; a tensor-parallel
+    rank runs its kernels at the shard's shapes, so the degree counts."""
+    if config.strategy == "single" and config.tp == 1:
         return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.optimizer_in_backward)
     return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.strategy,
-            config.world_size, min(config.grad_accum_steps, 2), config.cpu_offload)
+            config.world_size, min(config.grad_accum_steps, 2), config.cpu_offload, config.tp)
 
 
 def reference_config(config: TrainConfig) -> TrainConfig | None:
     """The configuration whose fit ``config`` borrows (one device, checkpointed), else None."""
-    if config.strategy == "single" and config.checkpoint_segments:
+    if config.strategy == "single" and config.tp == 1 and config.checkpoint_segments:
         return config.replace(checkpoint_segments=0, checkpoint_policy="full")
     return None
 

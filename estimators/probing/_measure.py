@@ -54,11 +54,12 @@ class CpuMeasurement:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied weights counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (tied weights counted once; a
+    DTensor's local shard)."""
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        st = t.untyped_storage()
+        st = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's memory is its shard's
         if st.data_ptr() in seen:
             continue
         seen.add(st.data_ptr())
@@ -223,7 +224,8 @@ def measure_distributed_peaks(model_path: str, configs: Sequence[TrainConfig], *
     """Each configuration trained for real by ``world_size`` CPU processes (gloo), wrapped by
     ``estimators.runtime._parallel``; per configuration, each rank's measurement (rank order).
 
-    All configurations must share one ``world_size``; they run one after the other in the
+    All configurations must share one number of ranks (``TrainConfig.ranks``: ``world_size``
+    times ``tp``); they run one after the other in the
     same processes (spawned once: a model file path, not a ``Task``, since the task is loaded
     in each process).
 
@@ -233,9 +235,9 @@ def measure_distributed_peaks(model_path: str, configs: Sequence[TrainConfig], *
     """
     import torch.multiprocessing as mp
 
-    sizes = {c.world_size for c in configs}
+    sizes = {c.ranks for c in configs}
     if len(sizes) != 1:
-        raise ValueError(f"configurations of one run must share a world size, got {sorted(sizes)}")
+        raise ValueError(f"configurations of one run must share a number of ranks, got {sorted(sizes)}")
     world_size = sizes.pop()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(

@@ -313,6 +313,9 @@ def _check_args(config: TrainConfig, steps: int, warmup: int, budget_bytes: int 
         raise ConfigError(f"probe() needs a TrainConfig, got {type(config).__name__}")
     if config.strategy != "single":
         raise ConfigError(f"probes run one process (strategy single); got strategy {config.strategy!r}")
+    if config.tp > 1:
+        raise ConfigError(f"probes run one process, and tp {config.tp} needs {config.tp}; estimate it "
+                          "(memplan estimate --tp) or train it (memplan train --nproc)")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a whole number >= 1, got {steps!r}")
     if budget_bytes is not None and (

@@ -57,7 +57,7 @@ def build_for_training(task: Task, config: TrainConfig, device: torch.device | s
         wrapped = wrap(model)
     else:
         wrapped = _parallel.parallelize(model, config, finder=task.checkpoint_blocks, device_ids=device_ids,
-                                        device=device)
+                                        device=device, tp_hook=task.tp_plan)
     # torch.compile of a module returns an OptimizedModule (an nn.Module); its stubs say only
     # that it returns a callable of the module's call signature.
     forward: nn.Module = torch.compile(wrapped) if compile else wrapped  # type: ignore[assignment]

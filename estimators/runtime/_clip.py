@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -21,6 +22,9 @@ def clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: 
     # ``type(t) is Tensor``) and a per-tensor loop for fake ones: other ops, other
     # temporaries. Asking for them by device runs the same kernels in the trace as in training.
     foreach = True if params and params[0].device.type in _FOREACH_DEVICES else None
+    groups = _by_mesh(params)
+    if mode == "norm" and len(groups) > 1:
+        return _clip_norm_over_meshes(groups, threshold, foreach)
     if mode == "norm":
         return torch.nn.utils.clip_grad_norm_(params, threshold, foreach=foreach)
     grads = [p.grad for p in params if p.grad is not None]  # every one (``params`` has gradients)
@@ -30,3 +34,30 @@ def clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: 
 
 
 _FOREACH_DEVICES = ("cpu", "cuda")
+
+
+def _by_mesh(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters grouped by the device mesh of their (DTensor) gradients, in order; plain
+    gradients are one group. FSDP2 x TP shards the split linears over a 2-D mesh and the rest
+    over its ``dp`` axis: DTensor ops refuse operands of two meshes."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
+def _clip_norm_over_meshes(groups: list[list[torch.Tensor]], threshold: float, foreach: bool | None) -> torch.Tensor:
+    # Each mesh's norm in full (a DTensor's is reduced over its mesh), then the norm of those.
+    from torch.distributed.tensor import DTensor, Replicate
+
+    norms = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups:
+        grad = group[0].grad
+        mesh = getattr(grad, "device_mesh", None)
+        local = (DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim) if mesh is not None else total)
+        torch.nn.utils.clip_grads_with_norm_(group, threshold, local, foreach=foreach)
+    return total

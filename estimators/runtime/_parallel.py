@@ -22,6 +22,11 @@ How a configuration's ``strategy`` maps onto ``torch.distributed``:
   gradient reduction on for every micro-batch: gradients stay sharded (see
   :func:`gradient_sync`).
 
+* ``tp > 1``: the blocks' linears are split first (``_tensor_parallel.apply_tp``) over the
+  ``tp`` axis of a ``(world_size, tp)`` device mesh (``dp``, ``tp``: the ``tp`` ranks of a
+  replica are neighbours, so they share a node); FSDP2 then shards over the ``dp`` axis, as
+  torchtitan composes them.
+
 Both wrappers are applied after activation checkpointing, which patches block ``forward``
 methods on the instances and so survives wrapping.
 """
@@ -38,13 +43,14 @@ import torch.nn as nn
 from .._config import Precision, TrainConfig
 from ._checkpoint import BlockFinder, find_block_stack
 from ._precision import autocast_dtype, keeps_fp32, weight_dtype
+from ._tensor_parallel import TpPlanHook, apply_tp, resolve_tp_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["DDP_BUCKET_CAP_MB", "fsdp_mp_policy", "apply_fsdp", "apply_ddp", "parallelize", "gradient_sync",
-           "unwrap"]
+           "unwrap", "device_meshes"]
 
 DDP_BUCKET_CAP_MB = 25
 """DDP's default bucket size; the first bucket is capped at 1 MB by DDP itself."""
@@ -140,6 +146,19 @@ def apply_ddp(model: nn.Module, *, device_ids: list[int] | None = None, gradient
                                    bucket_cap_mb=bucket_cap_mb)
 
 
+def device_meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The data-parallel and tensor-parallel meshes of ``config`` (None where it has no such
+    axis; the data-parallel one only when tensor parallelism needs a 2-D mesh)."""
+    if config.tp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if config.world_size == 1:
+        return None, init_device_mesh(device_type, (config.tp,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(device_type, (config.world_size, config.tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
 def parallelize(
     model: nn.Module,
     config: TrainConfig,
@@ -148,10 +167,21 @@ def parallelize(
     device_ids: list[int] | None = None,
     mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
+    tp_hook: TpPlanHook | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Wrap ``model`` for ``config.strategy`` (a no-op for ``single``); needs an initialised
-    default process group for ``ddp`` and ``fsdp``. ``device`` is the training device (FSDP2's
-    mesh; with ``cpu_offload`` the model arrives on the CPU)."""
+    """Wrap ``model`` for ``config.strategy`` (a no-op for ``single``) after splitting it for
+    ``config.tp``; needs an initialised default process group for ``ddp``, ``fsdp`` and
+    ``tp > 1``. ``device`` is the training device (FSDP2's mesh; with ``cpu_offload`` the model
+    arrives on the CPU). ``tp_hook`` is the model file's ``tp_plan``; ``mesh``/``tp_mesh`` the
+    meshes to use instead of :func:`device_meshes`' (built outside a fake-tensor mode)."""
+    if config.tp > 1:
+        if tp_mesh is None:
+            kind = torch.device(device).type if device is not None else next(
+                (p.device.type for p in model.parameters()), "cpu")
+            mesh, tp_mesh = device_meshes(config, kind)
+        assert tp_mesh is not None  # tp > 1 has a tp axis
+        apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder))
     if config.strategy == "single":
         return model
     if config.strategy == "ddp":

@@ -14,6 +14,9 @@ A model file is a plain Python file; memplan imports it and looks up:
                                             ``ReduceLROnPlateau``: once per evaluation) instead
                                             of its built-in warm-up + cosine
 ``checkpoint_blocks(model) -> [Module]``    optional; the blocks checkpoint segments refer to
+``tp_plan(model) -> {pattern: style}``      optional; which linears tensor parallelism splits
+                                            (``"colwise"``/``"rowwise"``; else inferred:
+                                            ``estimators.runtime._tensor_parallel``)
 ``item_sizes(dataset) -> [int | tuple]``    optional; per item, the sizes that vary (a length,
                                             ``(H, W)``), so that no item is read to find them
 ``settings``                                optional dict: global_batch, epochs, max_steps, lr,
@@ -130,6 +133,9 @@ class Task:
     build_scheduler: Callable[[torch.optim.Optimizer, int], LRScheduler] | None = None
     """``scheduler(optimizer, total_steps) -> LRScheduler``; ``None``: the trainer's built-in schedule."""
     checkpoint_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    tp_plan: Callable[[nn.Module], Mapping[str, str]] | None = None
+    """``tp_plan(model) -> {module pattern: "colwise" | "rowwise"}``: the linears ``tp > 1``
+    splits; ``None``: the model's own plan or an inferred one (``runtime._tensor_parallel``)."""
     sample_fn: Callable[[int], Batch] | None = None
     """Makes a real batch of a given size (used when there is no dataset)."""
     settings: Mapping[str, Setting] = field(default_factory=dict)
@@ -379,6 +385,7 @@ def load_task(path: str | Path) -> Task:
     scheduler = need_callable("scheduler", False,
                               "scheduler(optimizer, total_steps) -> torch.optim.lr_scheduler.LRScheduler")
     blocks = need_callable("checkpoint_blocks", False, "checkpoint_blocks(model) -> list[nn.Module]")
+    tp_plan = need_callable("tp_plan", False, "tp_plan(model) -> dict[str, str]")
     sizes = need_callable("item_sizes", False, "item_sizes(dataset) -> list[int | tuple[int, ...]]")
     settings = getattr(module, "settings", {}) or {}
     if not isinstance(settings, Mapping):
@@ -393,6 +400,7 @@ def load_task(path: str | Path) -> Task:
         collate=collate or default_collate,
         build_scheduler=scheduler,
         checkpoint_blocks=blocks,
+        tp_plan=tp_plan,
         item_sizes=sizes,
         settings=dict(settings),
         step=StepOptions.from_settings(settings, p.name),  # the step the settings ask the trainer for

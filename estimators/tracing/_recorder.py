@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -165,6 +166,11 @@ class Recorder(TorchDispatchMode):
         self.resized: list[int] = []  # allocations freed by resizing their storage to 0
         self.tags: BlockTags | None = None  # the block of each allocation, event and op, when asked
         self._pending = -1  # outside any block: the block the outputs being tracked belong to
+        self.below_dtensor = False
+        """Record the local ops DTensor runs instead of its own (tensor parallelism): the shard's
+        shapes are the memory and the FLOPs of a rank; see :meth:`_dtensor_op`."""
+        self._in_dtensor = False
+        self.unrecorded = 0  # > 0: ops that are no part of the step (DTensor's shape propagation)
 
     # storages --------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: Category = Category.TEMPORARIES) -> int | None:
@@ -287,6 +293,14 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
                            kwargs: Mapping[str, object] | None = None) -> object:
         kwargs = kwargs or {}
+        if self.unrecorded:
+            return func(*args, **kwargs)
+        if self.below_dtensor and _has_dtensor(types):
+            return self._dtensor_op(func, args, kwargs)
+        if func is _WAIT_TENSOR and _is_fake(args[0]):
+            # A fake process group's collective returns a new tensor, which waiting returns
+            # again as yet another; on a real one the wait returns the collective's output.
+            return args[0]
         if self.quiet:
             out = func(*args, **kwargs)
             self._track_outputs(func, out)
@@ -323,6 +337,19 @@ class Recorder(TorchDispatchMode):
         if self.tags is not None:
             self._tag_op(before, in_tensors)
         return out
+
+    def _dtensor_op(self, func: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> object:
+        """An op on DTensors, run by DTensor with this mode on top again, so that the local ops
+        it runs on the shards are recorded (not the op at the global shape): its second visit
+        here declines, and DTensor's own dispatch takes it."""
+        if self._in_dtensor:
+            return NotImplemented
+        self._in_dtensor = True
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            self._in_dtensor = False
 
     def _tag_op(self, before: int, in_tensors: list[torch.Tensor]) -> None:
         """The op's block: the current block's, else its outputs' (all one block's), else its
@@ -365,6 +392,20 @@ class Recorder(TorchDispatchMode):
         if len(blocks) == 1:
             return blocks.pop()
         return -1 if blocks or untagged else DEFERRED
+
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _has_dtensor(types: Sequence[type]) -> bool:
+    api = sys.modules.get("torch.distributed.tensor._api")
+    return api is not None and any(issubclass(t, api.DTensor) for t in types)
+
+
+def _is_fake(t: object) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 _ALIASED: dict[OpOverload, bool | tuple[bool, ...]] = {}

@@ -42,12 +42,15 @@ import torch.nn as nn
 from .._config import TrainConfig
 from .._errors import ConfigError
 from ..runtime._checkpoint import BlockFinder, find_block_stack
-from ..runtime._parallel import DDP_BUCKET_CAP_MB, apply_fsdp
+from ..runtime._parallel import DDP_BUCKET_CAP_MB, apply_fsdp, device_meshes
+from ..runtime._tensor_parallel import TpPlanHook, apply_tp, resolve_tp_plan
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["simulated_ranks", "BucketObserver", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
+    from ._recorder import Recorder
+
+__all__ = ["simulated_ranks", "dtensor_propagation_unrecorded", "BucketObserver", "EmulatedDDP", "fsdp_storage_events", "parallelize_simulated", "local_tensor",
            "FsdpUnits", "fsdp_units", "ddp_bucket_bytes"]
 
 _MB = 1024 * 1024
@@ -224,24 +227,76 @@ def parallelize_simulated(
     *,
     finder: BlockFinder | None = None,
     mode: FakeTensorMode | None = None,
+    tp_hook: TpPlanHook | None = None,
 ) -> nn.Module:
-    """Wrap ``model`` for ``config.strategy`` inside :func:`simulated_ranks`: FSDP2 itself
-    (``_parallel.apply_fsdp``), or :class:`EmulatedDDP` with ``_parallel.apply_ddp``'s options.
+    """Wrap ``model`` for ``config`` inside :func:`simulated_ranks`: split for ``config.tp``
+    (``_tensor_parallel.apply_tp``), then FSDP2 itself (``_parallel.apply_fsdp``), or
+    :class:`EmulatedDDP` with ``_parallel.apply_ddp``'s options.
 
-    ``mode`` (a fake-tensor mode) is entered for the wrapping only: the device mesh is built
-    outside it, as its rank table must be a real tensor.
+    ``mode`` (a fake-tensor mode) is entered for the wrapping only: the device meshes are
+    built outside it, as their rank tables must be real tensors (a 2-D mesh's ``dp`` and ``tp``
+    slices too).
     """
-    if config.strategy == "single":
+    if config.strategy == "single" and config.tp == 1:
         return model
-    mesh = None
-    if config.strategy == "fsdp":
+    mesh, tp_mesh = device_meshes(config, "cpu")
+    if config.strategy == "fsdp" and mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (config.world_size,))
-    with mode if mode is not None else contextlib.nullcontext():
+    with mode if mode is not None else contextlib.nullcontext(), _meshes_made_real():
+        if tp_mesh is not None:
+            apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder))
+        if config.strategy == "single":
+            return model
         if config.strategy == "ddp":
             return EmulatedDDP(model, world_size=config.world_size)
         return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload)
+
+
+@contextlib.contextmanager
+def _meshes_made_real() -> Iterator[None]:
+    """FSDP2 joins the ``dp`` and ``tp`` meshes of a 2-D layout (``DeviceMesh._concatenate``)
+    while it shards, inside the fake-tensor mode; a mesh's rank table must be real (its
+    coordinates are found with ``nonzero``), so the join runs with the mode set aside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_concatenate"]
+
+    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return original.__func__(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def dtensor_propagation_unrecorded(rec: Recorder) -> Iterator[None]:
+    """DTensor works out an op's output shapes by running it on fake tensors of the global
+    shapes (``ShardingPropagator._propagate_tensor_meta_non_cached``); those ops are no part of
+    a rank's step, and ``rec`` does not record them."""
+    from torch.distributed.tensor._op_schema import OpSchema
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: ShardingPropagator, op_schema: OpSchema) -> object:
+        rec.unrecorded += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            rec.unrecorded -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True, slots=True)

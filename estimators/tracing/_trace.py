@@ -164,7 +164,7 @@ def trace_step(
     task.batch_template()
     if not real:
         task.fake_batch(b, like=config.micro_batch_size)  # the planned items, collated outside fake mode
-    ranks = (_distributed.simulated_ranks(config.world_size) if config.strategy != "single"
+    ranks = (_distributed.simulated_ranks(config.ranks) if config.ranks > 1 or config.strategy != "single"
              else contextlib.nullcontext())
     with ranks:
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
@@ -215,7 +215,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         # not part of the step (training builds it sharded, or frees it before the first step).
         built = build_for_training(task, built_config, "cpu", model=model,
                                    wrap=lambda m: _distributed.parallelize_simulated(
-                                       m, config, finder=task.checkpoint_blocks, mode=fake))
+                                       m, config, finder=task.checkpoint_blocks, mode=fake, tp_hook=task.tp_plan))
         model = built.wrapped
         if cut is not None:
             owners = param_blocks(kept)
@@ -238,6 +238,9 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 stack.enter_context(recorded_rng_states(rec))
                 if config.strategy == "fsdp":
                     stack.enter_context(_distributed.fsdp_storage_events(rec.resized_up, rec.resized_down))
+                if config.tp > 1:
+                    rec.below_dtensor = True
+                    stack.enter_context(_distributed.dtensor_propagation_unrecorded(rec))
                 if config.cpu_offload and cuda:
                     stack.enter_context(_cpu_offload.device_copies())
                 semantics = stack.enter_context(

@@ -1,0 +1,139 @@
+"""Which linears tensor parallelism splits (the model file's plan, a Hugging Face model's own,
+or one inferred from the block shapes), what it refuses, and the configuration's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+from helpers.lm import ATTENTION_LM_SOURCE
+
+from estimators import ConfigError, TrainConfig
+from estimators.runtime._tensor_parallel import apply_tp, resolve_tp_plan
+
+
+def attention_lm(**kwargs: int) -> nn.Module:
+    ns: dict[str, object] = {}
+    exec(ATTENTION_LM_SOURCE, ns)
+    return ns["AttentionLM"](**kwargs)  # type: ignore[operator]
+
+
+class FusedAttention(nn.Module):
+    """GPT-2's layout: one fused q/k/v projection, whose column shards would cut across q, k, v."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+
+class GptMLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.c_proj = nn.Linear(4 * d, d)
+
+
+class GptBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = FusedAttention(d)
+        self.mlp = GptMLP(d)
+
+
+class Gpt(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(GptBlock(d) for _ in range(layers))
+
+
+def test_the_block_shapes_give_the_megatron_split() -> None:
+    plan = resolve_tp_plan(attention_lm(), 2)
+    assert plan.source == "inferred"
+    want = {}
+    for i in range(3):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            want[f"layers.{i}.attn.{name}"] = "colwise"
+        want[f"layers.{i}.attn.o_proj"] = "rowwise"
+        want[f"layers.{i}.mlp.gate_proj"] = want[f"layers.{i}.mlp.up_proj"] = "colwise"
+        want[f"layers.{i}.mlp.down_proj"] = "rowwise"
+    # The embedding, the norms and the head stay replicated.
+    assert plan.styles == want
+
+
+def test_a_fused_qkv_projection_stays_replicated_and_its_mlp_splits() -> None:
+    plan = resolve_tp_plan(Gpt(), 2)
+    assert plan.styles == {f"h.{i}.mlp.{n}": s for i in range(2) for n, s in (("c_fc", "colwise"),
+                                                                            ("c_proj", "rowwise"))}
+
+
+def test_a_model_with_nothing_to_split_is_refused_with_the_fix() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match=r"found nothing to split.*define\s+tp_plan\(model\)"):
+        resolve_tp_plan(model, 2)
+
+
+def test_widths_and_head_counts_that_tp_does_not_divide_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"layers\.0\.attn\.q_proj has 64 outputs, which tp 3 does not divide"):
+        resolve_tp_plan(attention_lm(), 3)
+    # 96 wide divides by 8, its 12 heads do not.
+    with pytest.raises(ConfigError, match=r"layers\.0\.attn\.n_heads is 12, which tp 8 does not divide"):
+        resolve_tp_plan(attention_lm(d=96, n_heads=12), 8)
+
+
+def test_the_model_files_plan_comes_first_with_patterns() -> None:
+    plan = resolve_tp_plan(attention_lm(), 2, hook=lambda m: {"layers.*.mlp.up_proj": "colwise",
+                                                             "layers.*.mlp.down_proj": "rowwise"})
+    assert plan.source == "tp_plan(model)"
+    assert plan.styles == {f"layers.{i}.mlp.{n}": s for i in range(3)
+                           for n, s in (("up_proj", "colwise"), ("down_proj", "rowwise"))}
+    with pytest.raises(ConfigError, match=r"'layers\.\*\.mlp\.up' matches no nn\.Linear"):
+        resolve_tp_plan(attention_lm(), 2, hook=lambda m: {"layers.*.mlp.up": "colwise"})
+    with pytest.raises(ConfigError, match=r"has style 'sideways'; use 'colwise' or 'rowwise'"):
+        resolve_tp_plan(attention_lm(), 2, hook=lambda m: {"layers.*.mlp.up_proj": "sideways"})
+
+
+def test_a_hugging_face_plan_names_modules_below_the_base_model() -> None:
+    class Config:
+        base_model_tp_plan = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+                              "layers.*.attn.q_proj": "colwise_rep"}  # a style this split leaves replicated
+
+    class ForCausalLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = attention_lm()
+            self.config = Config()
+
+    plan = resolve_tp_plan(ForCausalLM(), 2)
+    assert plan.source == "base_model_tp_plan"
+    assert plan.styles == {f"model.layers.{i}.mlp.{n}": s for i in range(3)
+                           for n, s in (("gate_proj", "colwise"), ("down_proj", "rowwise"))}
+
+
+def test_splitting_shards_the_linears_and_divides_the_head_count() -> None:
+    from estimators.tracing._simulated_ranks import simulated_ranks
+
+    model = attention_lm()
+    with simulated_ranks(2):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2))
+        attn = model.layers[0].attn
+        assert attn.n_heads == 2 and attn.head_dim == 16
+        assert attn.q_proj.weight.to_local().shape == (32, 64)  # rows: its half of the heads
+        assert attn.o_proj.weight.to_local().shape == (64, 32)  # columns: the same half
+        assert not hasattr(model.emb.weight, "to_local")  # replicated: a plain parameter
+
+
+def test_the_configuration_counts_ranks_and_refuses_untested_mixes() -> None:
+    c = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=2, tp=4)
+    assert c.ranks == 8 and c.global_batch == 8 and c.shards_parameters
+    assert c.describe() == "micro-batch 4, fp32, fsdp x2 x tp 4"
+    assert TrainConfig.from_dict(c.to_dict()) == c
+    assert "tp" not in TrainConfig(micro_batch_size=4).to_dict()
+    assert TrainConfig(micro_batch_size=4, tp=2).describe() == "micro-batch 4, fp32, tp 2"
+    with pytest.raises(ConfigError, match="combines with FSDP2 for data parallelism, not DDP"):
+        TrainConfig(micro_batch_size=4, strategy="ddp", world_size=2, tp=2)
+    with pytest.raises(ConfigError, match="cpu_offload is not combined with tp 2"):
+        TrainConfig(micro_batch_size=4, strategy="fsdp", tp=2, cpu_offload=True)
+    with pytest.raises(ConfigError, match="tp must be a whole number >= 1"):
+        TrainConfig(micro_batch_size=4, tp=0)
