@@ -64,14 +64,14 @@ def train_plan(task: Task, plan: Plan, options: TrainOptions, *, vram: int | str
         options = replace(options, compile=True)
     config = plan.config
     spec = launch if launch is not None else _plan_launch(plan)
-    if config.strategy == "single" and spec.world_size == 1:
+    if config.strategy == "single" and config.tp == 1 and spec.world_size == 1:
         guard = MemoryGuard(budget, device="cuda" if device.startswith("cuda") else "cpu")
         # The ladder: what OOM recovery steps down to (same global batch, less predicted memory).
         return _with_report(train(task, config, options, memory_guard=guard, ladder=plan.ladder()), options)
-    if config.world_size != spec.world_size or config.strategy == "single":
+    if config.ranks != spec.world_size or (config.strategy == "single" and config.tp == 1):
         raise ConfigError(
-            f"the plan's configuration ({config.describe()}) runs on {config.world_size} process(es), but "
-            f"{spec.world_size} were asked for; train it with --nproc {config.world_size}, or plan for "
+            f"the plan's configuration ({config.describe()}) runs on {config.ranks} process(es), but "
+            f"{spec.world_size} were asked for; train it with --nproc {config.ranks}, or plan for "
             f"{spec.world_size} with memplan plan --gpus {spec.nproc_per_node} --nodes {spec.nnodes}"
         )
     if task.source_path is None:
@@ -302,10 +302,10 @@ def layout_kwargs(launch: LaunchSpec | None, *, gpus: int | None = None, nodes: 
 def _plan_launch(plan: Plan) -> LaunchSpec:
     """The processes the plan's configuration needs, on this machine (several machines need
     their rendezvous options: ``--nnodes``, ``--rdzv-endpoint``, ``--rdzv-id``)."""
-    needs = getattr(plan, "launch", None) or {"nproc_per_node": plan.config.world_size, "nnodes": 1}
+    needs = getattr(plan, "launch", None) or {"nproc_per_node": plan.config.ranks, "nnodes": 1}
     if int(needs.get("nnodes", 1)) > 1:
         raise ConfigError(
             f"the plan runs on {needs['nnodes']} machines; start memplan train on each with --nproc "
             f"{needs['nproc_per_node']} --nnodes {needs['nnodes']} --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID"
         )
-    return LaunchSpec(nproc_per_node=int(needs.get("nproc_per_node", plan.config.world_size)))
+    return LaunchSpec(nproc_per_node=int(needs.get("nproc_per_node", plan.config.ranks)))

@@ -69,7 +69,7 @@ class CheckpointManager:
         self.task, self.options, self.n_train = task, options, n_train
         self.model, self.optimizer, self.schedule, self.ema = model, optimizer, schedule, ema
         self.precision, self.ladder, self.ranks, self.metrics, self.phase = precision, ladder, ranks, metrics, phase
-        self.sharded = ladder.config.strategy == "fsdp"
+        self.sharded = ladder.config.shards_parameters
         self.last_step: int | None = None
         """The step of the last checkpoint written or resumed from (None: none yet)."""
         self._last_dcp: str | None = None  # the sharded folder the last checkpoint.pt names
@@ -253,7 +253,8 @@ def _changed_options(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
 
 
 def _all_finite(model: nn.Module) -> bool:
-    flags = [torch.isfinite(p).all() for p in model.parameters() if p.is_floating_point()]
+    """Are this rank's parameters finite (a DTensor's: its shard; the ranks agree after)?"""
+    flags = [torch.isfinite(getattr(p, "_local_tensor", p)).all() for p in model.parameters() if p.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
 
 

@@ -13,8 +13,12 @@ __all__: list[str] = []
 class RankAgreement:
     """Collectives over the ``world_size`` ranks of a run (``strategy`` other than ``"single"``)."""
 
-    def __init__(self, rank: int, world_size: int, *, strategy: str, device: torch.device) -> None:
+    def __init__(self, rank: int, world_size: int, *, strategy: str, device: torch.device,
+                 replicas: int | None = None) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.replicas = world_size if replicas is None else replicas
+        """Data-parallel replicas: ``world_size`` over the tensor-parallel degree (whose ranks
+        share each batch)."""
         self.distributed = world_size > 1 or strategy != "single"
 
     @property

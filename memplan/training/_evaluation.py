@@ -50,11 +50,11 @@ class Evaluator:
     """
 
     def __init__(self, task: Task, *, model: nn.Module, forward_model: nn.Module, ema: EMA | None,
-                 val_loader: DataLoader | None, precision: TrainPrecision, strategy: str, device: torch.device,
+                 val_loader: DataLoader | None, precision: TrainPrecision, sharded: bool, device: torch.device,
                  options: TrainOptions, schedule: LRSchedule, ranks: RankAgreement, metrics: Metrics, phase: Phase,
                  best_path: Path, model_path: Path) -> None:
         self.task, self.model, self.forward_model, self.ema = task, model, forward_model, ema
-        self.val_loader, self.precision, self.strategy, self.device = val_loader, precision, strategy, device
+        self.val_loader, self.precision, self.sharded, self.device = val_loader, precision, sharded, device
         self.options, self.schedule, self.ranks, self.metrics, self.phase = options, schedule, ranks, metrics, phase
         self.best_path, self.model_path = best_path, model_path
 
@@ -76,7 +76,7 @@ class Evaluator:
         try:
             with swap:
                 batches: Iterator[tuple[Batch, bool]] = ((b, True) for b in self.val_loader)
-                if self.strategy == "fsdp":
+                if self.sharded:
                     batches = self._padded_val_batches()
                 for batch, counts in batches:
                     batch = self.precision.convert_input(to_device(batch, self.device))  # bf16-true: bf16 inputs
@@ -122,7 +122,7 @@ class Evaluator:
         not counted) as it takes to match the rank with the most batches."""
         assert self.val_loader is not None
         n_val = len(self.val_loader.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
-        most = math.ceil(math.ceil(n_val / self.ranks.world_size) / (self.val_loader.batch_size or 1))
+        most = math.ceil(math.ceil(n_val / self.ranks.replicas) / (self.val_loader.batch_size or 1))
         first, seen = None, 0
         for batch in self.val_loader:
             if first is None:
@@ -204,7 +204,7 @@ class Evaluator:
 
     def _load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Full (unsharded) weights into the model, whatever its strategy."""
-        if self.strategy == "fsdp":
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))

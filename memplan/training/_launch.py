@@ -107,10 +107,11 @@ class LaunchSpec:
 
 
 def distributed_ladder(ladder: Sequence[Any] | None, config: TrainConfig) -> list[TrainConfig]:
-    """The rungs a distributed run can step down to: ``config``'s global batch, strategy and
-    world size (a relaunch keeps the processes it has and the checkpoint format it wrote)."""
+    """The rungs a distributed run can step down to: ``config``'s global batch, strategy, world
+    size and tensor-parallel degree (a relaunch keeps the processes it has and the checkpoint
+    format it wrote)."""
     return [c for c in ladder_configs(ladder, config)
-            if c.strategy == config.strategy and c.world_size == config.world_size]
+            if c.strategy == config.strategy and c.world_size == config.world_size and c.tp == config.tp]
 
 
 def launch_training(
@@ -198,14 +199,14 @@ def _launch_attempts(model_path: str | os.PathLike[str], config: TrainConfig, op
 
 def _check_launch(config: TrainConfig, spec: LaunchSpec) -> None:
     """The configuration runs on the processes the launch asks for."""
-    if config.world_size != spec.world_size:
+    if config.ranks != spec.world_size:
         raise ConfigError(
-            f"the configuration ({config.describe()}) runs on {config.world_size} processes but "
+            f"the configuration ({config.describe()}) runs on {config.ranks} processes but "
             f"{spec.nproc_per_node} x {spec.nnodes} node(s) = {spec.world_size} were asked for; "
-            f"use --nproc {config.world_size} or plan for {spec.world_size}"
+            f"use --nproc {config.ranks} or plan for {spec.world_size}"
         )
-    if config.strategy == "single":
-        raise ConfigError("strategy 'single' runs in this process; launch only ddp or fsdp configurations")
+    if config.strategy == "single" and config.tp == 1:
+        raise ConfigError("strategy 'single' runs in this process; launch only ddp, fsdp or tp configurations")
     if config.nodes != spec.nnodes:
         log.warning(
             "the configuration was planned for %d machine(s) and runs on %d: its predicted step time "

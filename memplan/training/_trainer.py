@@ -107,7 +107,8 @@ class Trainer:
         self.model_path = self.out_dir / "model.pt"
         self.metrics_path = options.metrics_path or self.out_dir / "metrics.jsonl"
         # The parts that need no model; the others are made by _setup, inside the guard.
-        self.ranks = RankAgreement(self.rank, self.world_size, strategy=config.strategy, device=self.device)
+        self.ranks = RankAgreement(self.rank, self.world_size, strategy=config.strategy, device=self.device,
+                                   replicas=self.world_size // config.tp)
         self.signals = StopSignals()
         self.phase = Phase(memory_guard)
         self.peak = PeakMemory(self.device, memory_guard)
@@ -249,8 +250,9 @@ class Trainer:
 
     def _setup_data(self) -> None:
         """Datasets and loaders, first and outside the memory guard (see :class:`TrainData`)."""
-        self.data = TrainData(self.task, self.config, self.options, device=self.device, rank=self.rank,
-                              world_size=self.world_size)
+        # The ``tp`` ranks of a replica (neighbours: rank // tp is the replica) see one batch.
+        self.data = TrainData(self.task, self.config, self.options, device=self.device,
+                              rank=self.rank // self.config.tp, world_size=self.world_size // self.config.tp)
 
     def _setup(self) -> None:
         """Model, optimizer, precision, EMA, schedule, the counters and the parts, inside the guard."""
@@ -275,7 +277,7 @@ class Trainer:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = float(lr)
-        self.precision = TrainPrecision(config.precision, self.device, sharded=config.strategy == "fsdp",
+        self.precision = TrainPrecision(config.precision, self.device, sharded=config.shards_parameters,
                                         scaler_kwargs=opts.scaler_kwargs())
         self.ema = EMA(self.model, opts.ema_decay) if opts.ema_decay is not None else None
 
@@ -290,7 +292,7 @@ class Trainer:
         self._pending_evaluation = False
         # Per-layer gradient norms every N steps and NVML readings (memplan.training._monitor); FSDP2's
         # gradients are shards, whose per-layer norms would each need a collective.
-        monitor = TrainingMonitor(self.device, enabled=config.strategy != "fsdp" and self.ranks.is_main)
+        monitor = TrainingMonitor(self.device, enabled=not config.shards_parameters and self.ranks.is_main)
 
         # The parts, each given what it uses.
         self.metrics = Metrics(self.metrics_path, is_main=self.ranks.is_main, progress=opts.progress,
@@ -299,11 +301,11 @@ class Trainer:
             model=self.model, forward_model=self._built.forward_model, wrapped=self._built.wrapped,
             optimizer=self.optimizer, precision=self.precision, ema=self.ema,
             loss_fn=training_loss(task, opts.label_smoothing), device=self.device, options=opts,
-            strategy=config.strategy, ranks=self.ranks, monitor=monitor, phase=self.phase,
+            sharded=config.shards_parameters, ranks=self.ranks, monitor=monitor, phase=self.phase,
             keep_undo=self.ladder.enabled)
         self.evaluator = Evaluator(
             task, model=self.model, forward_model=self._built.forward_model, ema=self.ema,
-            val_loader=self.data.val_loader, precision=self.precision, strategy=config.strategy, device=self.device,
+            val_loader=self.data.val_loader, precision=self.precision, sharded=config.shards_parameters, device=self.device,
             options=opts, schedule=self.schedule, ranks=self.ranks, metrics=self.metrics, phase=self.phase,
             best_path=self.best_path, model_path=self.model_path)
         self.checkpoints = CheckpointManager(
@@ -435,17 +437,17 @@ def train(
 
 def _ranks(config: TrainConfig) -> tuple[int, int]:
     """(rank, world size): one process, or the launched process group that the strategy needs."""
-    if config.strategy != "single":
+    if config.strategy != "single" or config.ranks > 1:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
-                f"strategy {config.strategy!r} x{config.world_size} runs one process per device; launch it "
-                f"with memplan train MODEL.py --plan plan.json --nproc {config.world_size} (or torchrun), "
-                "or use TrainConfig(strategy='single', world_size=1)"
+                f"{config.describe()} runs one process per device; launch it "
+                f"with memplan train MODEL.py --plan plan.json --nproc {config.ranks} (or torchrun), "
+                "or use TrainConfig(strategy='single', world_size=1, tp=1)"
             )
-        if dist.get_world_size() != config.world_size:
+        if dist.get_world_size() != config.ranks:
             raise ConfigError(
-                f"the configuration needs {config.world_size} processes but {dist.get_world_size()} were "
-                f"launched; launch {config.world_size} (e.g. --nproc {config.world_size})"
+                f"the configuration needs {config.ranks} processes but {dist.get_world_size()} were "
+                f"launched; launch {config.ranks} (e.g. --nproc {config.ranks})"
             )
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -97,7 +97,7 @@ class _WindowHooks(StepHooks):
         if not math.isfinite(self.loss_value):
             self.nonfinite = True  # skip: weights, optimizer state, scaler and schedule untouched
             return False
-        if t.keep_undo and self.step <= _UNDO_STEPS and t.strategy != "fsdp":
+        if t.keep_undo and self.step <= _UNDO_STEPS and not t.sharded:
             # An OOM inside the optimizer step may leave it half applied (AdamW updates its
             # moments in place before it allocates its temporaries): keep an undo copy in host
             # memory so that the window can be replayed from its start. Only the first steps
@@ -134,11 +134,11 @@ class WindowStep:
 
     def __init__(self, *, model: nn.Module, forward_model: nn.Module, wrapped: nn.Module,
                  optimizer: torch.optim.Optimizer, precision: TrainPrecision, ema: EMA | None, loss_fn: LossFn,
-                 device: torch.device, options: TrainOptions, strategy: str, ranks: RankAgreement,
+                 device: torch.device, options: TrainOptions, sharded: bool, ranks: RankAgreement,
                  monitor: TrainingMonitor, phase: Phase, keep_undo: bool) -> None:
         self.model, self.forward_model, self.wrapped = model, forward_model, wrapped
         self.optimizer, self.precision, self.ema, self.loss_fn = optimizer, precision, ema, loss_fn
-        self.device, self.options, self.strategy, self.ranks = device, options, strategy, ranks
+        self.device, self.options, self.sharded, self.ranks = device, options, sharded, ranks
         self.monitor, self.phase, self.keep_undo = monitor, phase, keep_undo
         self.optimizer_undo: _Snapshot | None = None
 
