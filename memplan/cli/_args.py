@@ -79,6 +79,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="single (default on one device), ddp or fsdp (FSDP2); needed with more than one device")
     g.add_argument("--gpus", default="1", help="devices per machine (default 1); ranks = --gpus x --nodes")
     g.add_argument("--nodes", default="1", help="machines the ranks are spread over (default 1)")
+    g.add_argument("--tp", default="1",
+                   help="tensor-parallel degree: each block's attention and MLP split over this many devices of a "
+                   "machine (default 1); data-parallel replicas = ranks / tp")
     g.add_argument("--cpu-offload", action="store_true",
                    help="FSDP2's CPU offload: parameters, gradients and optimizer state in host memory "
                    "(the strategy defaults to fsdp)")
@@ -96,15 +99,21 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
     gpus = parse_count(args.gpus, what="--gpus")
     nodes = parse_count(args.nodes, what="--nodes")
     segments = parse_count(args.checkpoint, what="--checkpoint", minimum=0)
-    world = gpus * nodes
+    tp = parse_count(getattr(args, "tp", "1"), what="--tp")
+    if gpus % tp:
+        raise ConfigError(f"--tp {tp} splits over the devices of one machine, but --gpus is {gpus}; "
+                          f"use a --tp that divides --gpus")
+    world = gpus * nodes // tp
     strategy = args.strategy
     if strategy is None:
         if world > 1:
-            raise ConfigError(f"{world} ranks (--gpus {gpus} x --nodes {nodes}) need a data-parallel strategy; "
+            raise ConfigError(f"{world} data-parallel replicas (--gpus {gpus} x --nodes {nodes}"
+                              + (f" / --tp {tp}" if tp > 1 else "") + ") need a data-parallel strategy; "
                               "add --strategy ddp or --strategy fsdp")
         strategy = "fsdp" if args.cpu_offload else "single"
     if strategy == "single" and world > 1:
-        raise ConfigError(f"--strategy single runs one device, but --gpus {gpus} x --nodes {nodes} is {world}; "
+        raise ConfigError(f"--strategy single has no data parallelism, but --gpus {gpus} x --nodes {nodes}"
+                          + (f" / --tp {tp}" if tp > 1 else "") + f" is {world} replicas; "
                           "use --strategy ddp or fsdp, or drop --gpus/--nodes")
     if args.cpu_offload and strategy != "fsdp":
         raise ConfigError(f"--cpu-offload is FSDP2's offload, but --strategy is {strategy}; use --strategy fsdp "
@@ -121,6 +130,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         strategy=strategy,
         world_size=world,
         nodes=nodes,
+        tp=tp,
         cpu_offload=args.cpu_offload,
         offload_activations=args.offload_activations,
         optimizer_in_backward=args.optimizer_in_backward,

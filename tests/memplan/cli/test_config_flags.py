@@ -54,11 +54,15 @@ def test_the_flags_build_the_configuration_and_estimate_it(argv, config, write_m
 
 @pytest.mark.parametrize("argv, expected", [
     (["--gpus", "2"], "add --strategy ddp or --strategy fsdp"),
-    (["--gpus", "2", "--strategy", "single"], "--strategy single runs one device"),
+    (["--gpus", "2", "--strategy", "single"], "--strategy single has no data parallelism"),
     (["--cpu-offload", "--strategy", "ddp"], "--cpu-offload is FSDP2's offload"),
     (["--checkpoint-policy", "op"], "add --checkpoint N"),
     (["--nodes", "0"], "--nodes must be a whole number"),
     (["--optimizer-in-backward", "--accum", "2"], "cannot accumulate"),
+    (["--tp", "3", "--gpus", "2"], "--tp 3 splits over the devices of one machine"),
+    (["--tp", "2", "--gpus", "4"], "2 data-parallel replicas (--gpus 4 x --nodes 1 / --tp 2) need a data-parallel"),
+    # The split is the model's: this one has no attention or MLP linears to split.
+    (["--tp", "2", "--gpus", "2"], "tensor parallelism found nothing to split"),
     # The flag reaches the step's checks: the default step clips by the global norm.
     (["--optimizer-in-backward"], "optimizer_in_backward cannot clip by the global gradient norm"),
 ])
@@ -67,6 +71,21 @@ def test_a_bad_mix_of_flags_is_one_line_naming_them(argv, expected, write_model,
     code, _, err = _estimate(capsys, path, "-b", "4", *argv)
     assert code == 2
     assert err.count("\n") == 1 and expected in err, err
+
+
+def test_tensor_parallel_flags_estimate_a_rank_of_the_split_model(write_model, capsys) -> None:
+    from helpers.lm import ATTENTION_LM_SOURCE
+
+    path = write_model(ATTENTION_LM_SOURCE)
+    code, data, err = _estimate(capsys, path, "-b", "16", "--gpus", "4", "--tp", "2", "--strategy", "fsdp")
+    assert code == 0, err
+    config = TrainConfig(micro_batch_size=16, strategy="fsdp", world_size=2, tp=2)
+    assert TrainConfig.from_dict(data["config"]) == config
+    expected = Estimator(load_task(path)).shape_distribution(config, exact=True)
+    assert data["peak_allocated_bytes"] == expected.peak_allocated_bytes
+    code, whole, err = _estimate(capsys, path, "-b", "16", "--gpus", "2", "--strategy", "fsdp")
+    assert code == 0, err
+    assert data["peak_allocated_bytes"] < whole["peak_allocated_bytes"]
 
 
 def test_a_probe_of_several_ranks_is_refused_in_one_line(write_model, capsys) -> None:
