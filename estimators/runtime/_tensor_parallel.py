@@ -6,7 +6,10 @@ row-wise split (the projection back: o, down; each rank's partial product is sum
 all-reduce), as Megatron-LM and torchtitan split them, with DTensor's ``ColwiseParallel`` and
 ``RowwiseParallel``. The activations between the two stay plain local tensors of ``1/tp`` the
 width; everything outside the pairs (embeddings, norms, the head) is replicated, and its
-gradients need no reduction, since every rank of a group sees the same batch.
+gradients need no reduction, since every rank of a group sees the same batch. The replicated
+parameters are DTensors too (``Replicate`` on the ``tp`` mesh; their modules take and give
+plain tensors, as torchtitan's ``NoParallel`` does): an optimizer's multi-tensor kernels and
+FSDP2 want every parameter of one kind, on one mesh.
 
 Which modules split, first found wins:
 
@@ -36,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import torch
 import torch.nn as nn
 
 from .._errors import ConfigError
@@ -116,7 +120,61 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> nn.Module:
                 setattr(parent, attr, value // tp)
     parallelize_module(model, mesh, {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
                                      for name, style in plan.styles.items()})
+    _replicate_the_rest(model, mesh, set(plan.styles))
     return model
+
+
+def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, split: set[str]) -> None:
+    """Every parameter the split left plain becomes a replicated DTensor (a tied one once, in
+    every module that holds it); the outermost modules that hold them convert their tensor
+    inputs to replicated DTensors and their DTensor outputs back to local tensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    replicas: dict[int, nn.Parameter] = {}
+    owners: list[str] = []
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own:
+            continue
+        inside = [s for s in split if s.startswith(f"{name}.") or not name]
+        if inside:
+            raise ConfigError(
+                f"tensor parallelism: {name or 'the model'} holds parameters of its own ({own[0][0]}) beside split "
+                f"linears ({inside[0]}); move them into a submodule, or use tp=1")
+        for n, p in own:
+            if id(p) not in replicas:
+                replicas[id(p)] = nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
+                                               requires_grad=p.requires_grad)
+            setattr(module, n, replicas[id(p)])
+        if not any(name.startswith(f"{o}.") or not o for o in owners):
+            owners.append(name)
+    modules = dict(model.named_modules())
+    for name in owners:
+        modules[name].register_forward_pre_hook(_replicated_inputs(mesh), with_kwargs=True)
+        modules[name].register_forward_hook(_local_outputs)
+
+
+def _replicated_inputs(mesh: DeviceMesh) -> Callable[..., tuple[tuple[object, ...], dict[str, object]]]:
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map
+
+    def to_replicated(t: object) -> object:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t
+
+    def hook(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+             ) -> tuple[tuple[object, ...], dict[str, object]]:
+        return tree_map(to_replicated, args), tree_map(to_replicated, kwargs)
+
+    return hook
+
+
+def _local_outputs(_module: nn.Module, _args: object, output: object) -> object:
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, output)
 
 
 def _pattern(key: str) -> re.Pattern[str]:

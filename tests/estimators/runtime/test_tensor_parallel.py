@@ -4,6 +4,7 @@ or one inferred from the block shapes), what it refuses, and the configuration's
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 from helpers.lm import ATTENTION_LM_SOURCE
 
@@ -121,7 +122,36 @@ def test_splitting_shards_the_linears_and_divides_the_head_count() -> None:
         assert attn.n_heads == 2 and attn.head_dim == 16
         assert attn.q_proj.weight.to_local().shape == (32, 64)  # rows: its half of the heads
         assert attn.o_proj.weight.to_local().shape == (64, 32)  # columns: the same half
-        assert not hasattr(model.emb.weight, "to_local")  # replicated: a plain parameter
+        # Replicated: a DTensor of the whole table on every rank, tied weights still one.
+        assert model.emb.weight.to_local().shape == (256, 64)
+        assert model.head.weight.placements[0].is_replicate()
+
+
+def test_tied_weights_stay_tied_when_replicated() -> None:
+    from helpers.lm import LM_SOURCE
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from estimators.tracing._simulated_ranks import simulated_ranks
+
+    ns: dict[str, object] = {}
+    exec(LM_SOURCE, ns)
+    model = ns["TinyLM"]()  # type: ignore[operator]
+    with simulated_ranks(2):
+        apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2))
+        assert model.head.weight is model.emb.weight
+        assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+        assert model.blocks[0].fc1.weight.to_local().shape == (128, 64)
+
+
+def test_a_module_with_parameters_of_its_own_beside_split_linears_is_refused() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from estimators.tracing._simulated_ranks import simulated_ranks
+
+    model = attention_lm()
+    model.layers[0].attn.scale = nn.Parameter(torch.ones(()))
+    with simulated_ranks(2), pytest.raises(ConfigError, match=r"layers\.0\.attn holds parameters of its own \(scale\)"):
+        apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2))
 
 
 def test_the_configuration_counts_ranks_and_refuses_untested_mixes() -> None:
