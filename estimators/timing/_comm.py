@@ -22,6 +22,13 @@ Overlap, as the engines schedule it:
   nothing left to hide behind: both are exposed; the rest overlaps compute, and whatever
   exceeds the pass's compute is exposed.
 
+Tensor parallelism (``TrainConfig.tp``) communicates inside each block's forward and
+backward: its collectives are the trace's own ops (``_c10d_functional.*``, at the shard's
+sizes), priced one by one over the ``tp`` ranks of a node (:func:`tensor_parallel_comm`); the
+next op needs each one's result, so eager training hides none of them. Under FSDP2 x TP the
+data-parallel ring has ``world_size`` ranks and each unit moves ``1/tp`` of its parameters (the
+split linears, which hold nearly all of a block's).
+
 Assumptions (not validated on a multi-GPU machine): the link rates below, the latencies, and
 perfect overlap up to the compute time. CPU targets communicate through gloo over loopback.
 """
@@ -36,7 +43,11 @@ from ..hardware._gpus import GPUSpec
 __all__ = [
     "INTER_NODE_BYTES_PER_S", "GLOO_LOOPBACK_BYTES_PER_S", "RING_STEP_LATENCY_S", "CommTime",
     "ring_bandwidth", "all_reduce_s", "all_gather_s", "reduce_scatter_s", "ddp_comm", "fsdp_comm",
+    "COLLECTIVE_PREFIX", "tensor_parallel_comm",
 ]
+
+COLLECTIVE_PREFIX = "_c10d_functional."
+"""The traced ops that are collectives (DTensor's), not kernels of the device."""
 
 INTER_NODE_BYTES_PER_S = 25e9
 """Network bandwidth per GPU between nodes, one direction: a 200 Gb/s NIC per GPU (InfiniBand
@@ -96,6 +107,26 @@ def ddp_comm(bucket_bytes: list[int] | tuple[int, ...], backward_s: float, confi
         return CommTime(0.0, 0.0)
     exposed = max(times[-1], total - backward_s)
     return CommTime(total, exposed)
+
+
+def tensor_parallel_comm(names: list[str], bytes_moved: list[float], runs: list[float], tp: int,
+                         link: tuple[float, float]) -> CommTime:
+    """One optimizer step's tensor-parallel collectives: per traced collective, its name, the
+    bytes it read and wrote (a rank's), and how many times a step runs it."""
+    total = 0.0
+    for name, moved, n in zip(names, bytes_moved, runs):
+        op = name[len(COLLECTIVE_PREFIX):].split(".")[0]
+        if op.startswith("all_reduce"):
+            seconds = all_reduce_s(moved / 2, tp, link)  # in and out: the message twice
+        elif op.startswith(("all_gather", "reduce_scatter")):
+            # The full message is the gathered output (the scattered input): tp of tp + 1 parts.
+            seconds = all_gather_s(moved * tp / (tp + 1), tp, link)
+        elif op.startswith("all_to_all"):
+            seconds = all_gather_s(moved / 2, tp, link)
+        else:  # wait_tensor, broadcast of a scalar: no volume of their own
+            seconds = 0.0
+        total += n * seconds
+    return CommTime(total, total)
 
 
 def fsdp_comm(units: list[int] | tuple[int, ...], root: int, param_bytes: int, grad_bytes: int,

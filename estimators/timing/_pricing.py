@@ -20,9 +20,9 @@ from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
 from ._activation_offload_time import activation_offload_time
 from ._calibration import TimeCalibration
-from ._comm import CommTime, ddp_comm, fsdp_comm, ring_bandwidth
+from ._comm import COLLECTIVE_PREFIX, CommTime, ddp_comm, fsdp_comm, ring_bandwidth, tensor_parallel_comm
 from ._cpu_offload_time import cpu_offload_time
-from ._timing import DeviceRates, OpCosts, StepTimeParts, costs_of, step_time, step_time_parts
+from ._timing import DeviceRates, OpCosts, StepTimeParts, costs_of, steady_state_weights, step_time, step_time_parts
 
 __all__ = ["CALIBRATED", "Price", "calibrated_note", "price", "step_seconds", "stored_parts"]
 
@@ -72,8 +72,20 @@ def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: Tim
                                    backward_s=_pass_time(p, "backward", rates),
                                    optimizer_bytes=int(costs.bytes_moved[on_host].sum()))
         costs = _subset(costs, ~on_host)
+    tp_comm = None
+    if config.tp > 1:
+        # DTensor's collectives are in the trace: priced on the node's link, not the roofline.
+        collective = np.asarray([n.startswith(COLLECTIVE_PREFIX) for n in costs.names], dtype=bool)
+        runs = steady_state_weights(costs, p.phase_labels, config.grad_accum_steps)[collective]
+        tp_comm = tensor_parallel_comm([n for n, c in zip(costs.names, collective) if c],
+                                       list(costs.bytes_moved[collective]), list(runs), config.tp,
+                                       ring_bandwidth(spec, 1))
+        costs = _subset(costs, ~collective)
     parts = step_time_parts(costs, p.phase_labels, config.grad_accum_steps, rates)
     comm = _comm_time(config, p, facts, spec, rates)
+    if tp_comm is not None:
+        comm = tp_comm if comm is None else CommTime(comm.total_s + tp_comm.total_s,
+                                                     comm.exposed_s + tp_comm.exposed_s)
     # Added after calibration: probes run on one device and measure no communication (nor
     # host traffic, as they run without offload's copies on CPU).
     fixed = (comm.exposed_s if comm is not None else 0.0) + (offload.added_s if offload is not None else 0.0)
@@ -108,14 +120,16 @@ def _comm_time(config: TrainConfig, p: Prepared, facts: ModelFacts, spec: GPUSpe
     # FSDP2 gathers in the autocast dtype under mixed precision and reduces in fp32; under
     # a true low precision it gathers and reduces the low-precision weights as they are.
     param_bytes = 2 if config.precision != "fp32" else 4
-    return fsdp_comm(facts.units.block_numels, facts.units.root_numel, param_bytes, 2 if low else 4,
+    blocks = tuple(n // config.tp for n in facts.units.block_numels)  # a rank's unit: 1/tp of it
+    return fsdp_comm(blocks, facts.units.root_numel, param_bytes, 2 if low else 4,
                      forward_s, backward_s, config, link)
 
 
 def _pass_time(p: Prepared, kind: str, rates: DeviceRates) -> float:
     """Compute time of one steady-state micro-batch's forward or backward pass."""
     costs = costs_of(p)
-    keep = np.asarray([p.phase_labels[int(ph)].endswith(kind) for ph in costs.phase], dtype=bool)
+    keep = np.asarray([p.phase_labels[int(ph)].endswith(kind) and not name.startswith(COLLECTIVE_PREFIX)
+                       for ph, name in zip(costs.phase, costs.names)], dtype=bool)
     if not keep.any():
         return 0.0
     return step_time(_subset(costs, keep), p.phase_labels, 1, rates)

@@ -41,6 +41,7 @@ from ..hardware._gpus import GPUSpec
 from ..memory._prepare import Prepared
 
 __all__ = [
+    "steady_state_weights",
     "DeviceRates", "gpu_rates", "OP_CLASSES", "op_class", "OpCosts", "op_costs",
     "StepTimeParts", "step_time", "step_time_parts",
 ]
@@ -258,6 +259,11 @@ def step_time_parts(costs: OpCosts, phase_labels: Sequence[str], grad_accum_step
         key = "float32" if dtype == "none" else dtype
         by_dtype[key] = by_dtype.get(key, 0.0) + float(work[mask].sum())
     return StepTimeParts(float(weight.sum()) * rates.op_overhead_s, by_dtype)
+
+
+def steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int) -> np.ndarray:
+    """How many times each traced op runs in one steady-state optimizer step."""
+    return _steady_state_weights(costs, phase_labels, grad_accum_steps)
 
 
 def step_time(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int, rates: DeviceRates) -> float:
