@@ -40,7 +40,16 @@ class Layout:
 
 
 def layout(plan: Plan) -> Layout:
+    """The plan's layout; a tensor-parallel one is refused: the tools' exported settings (a
+    Trainer's arguments, an Accelerate or Lightning strategy, a torchtune recipe's keys) would
+    train the whole model on every device, which the plan does not fit."""
+    from estimators import ConfigError
+
     c = plan.config
+    if c.tp > 1:
+        raise ConfigError(
+            f"the plan splits the model over tp {c.tp} (tensor parallelism: {c.describe()}), which this export "
+            f"cannot express; train it with memplan train MODEL.py --plan plan.json --nproc {c.ranks}")
     return Layout(
         micro_batch=c.micro_batch_size, accumulation=c.grad_accum_steps, precision=c.precision,
         checkpoint_segments=c.checkpoint_segments, checkpoint_policy=c.checkpoint_policy, strategy=c.strategy,

@@ -25,6 +25,7 @@ from estimators.task._task_data import structure_fingerprint
 
 from .._version import __version__
 from ._inputs import meta_model
+from ._space import layout_key
 
 __all__ = ["PlanEntry", "Plan", "provenance", "check_plan_model", "needed_bytes", "RACED_NOTE", "ANCHORED_NOTE",
            "BASES"]
@@ -317,6 +318,7 @@ class Plan:
         # data order, so that a resumed run meets the same batches.
         candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current
                       and e.config.strategy == current.strategy and e.config.world_size == current.world_size
+                      and e.config.tp == current.tp
                       and e.config.length_grouped == current.length_grouped
                       # The optimizer and the weights' dtype are not switched in a running process.
                       and e.config.optimizer_in_backward == current.optimizer_in_backward
@@ -424,7 +426,7 @@ class Plan:
                     f"{c.checkpoint_segments} {c.checkpoint_policy}"
                     if c.checkpoint_policy != "full"
                     else c.checkpoint_segments,
-                    f"{c.strategy}x{c.world_size}" if c.strategy != "single" else "single",
+                    layout_key(c),
                     _offloads(e),
                     format_size(e.peak_bytes),
                     e.samples_per_s,

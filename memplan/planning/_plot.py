@@ -13,6 +13,7 @@ from estimators import Estimate, format_size
 
 from .._figures import figure_png, require_matplotlib, save_figure
 from ._plan import Plan
+from ._space import layout_key
 
 __all__ = ["PlanPoint", "plan_points", "pareto_front", "plan_figure", "plot_plan", "record_plan_plot"]
 
@@ -31,7 +32,7 @@ class PlanPoint:
 
 
 def _label(config: Any) -> str:
-    layout = "" if config.strategy == "single" else f" {config.strategy}x{config.world_size}"
+    layout = "" if config.strategy == "single" and config.tp == 1 else " " + layout_key(config)
     return (f"{config.micro_batch_size}x{config.grad_accum_steps} {config.precision} "
             f"ckpt{config.checkpoint_segments}{layout}")
 

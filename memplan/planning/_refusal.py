@@ -59,7 +59,9 @@ class StateFloor:
         grads = 0 if config.optimizer_in_backward else self.grads[low]
         # The state follows the weights' dtype (fp32 built, bf16 trained).
         total = self.weights[low] + grads + (self.optimizer // 2 if low else self.optimizer)
-        return total // config.world_size if config.strategy == "fsdp" else total
+        # Tensor parallelism splits the block linears over its ranks (the rest is replicated):
+        # at most 1/tp of the states per rank, 1/ranks under FSDP2 too -- a bound.
+        return total // (config.ranks if config.strategy == "fsdp" else config.tp)
 
     def device(self, config: TrainConfig) -> int:
         if config.cpu_offload:

@@ -45,7 +45,14 @@ from ._races import ProbeFn, RaceFn
 from ._ranking import build_plan, rank_predicted
 from ._refusal import StateFloor, no_fit, refuse_from_lower_bound, state_floor
 from ._shared import SharedStudy, run_shared, shares_storage
-from ._space import SearchSpace, frugal_space, layouts_for, optimizer_in_backward_excluded, space_for
+from ._space import (
+    SearchSpace,
+    frugal_space,
+    layouts_for,
+    optimizer_in_backward_excluded,
+    space_for,
+    tensor_parallel_layouts,
+)
 from ._study import (
     DEFAULT_TRIALS,
     ENUMERATE_LIMIT,
@@ -221,7 +228,10 @@ def search(
         notes=notes,
     )
     # The bound of the most frugal space the search may widen to: nothing it could try fits.
-    frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None)
+    tp_layouts, tp_refused = tensor_parallel_layouts(space, task, blocks_model)
+    if tp_refused is not None:
+        notes.append(f"tensor parallelism was not searched: {tp_refused}")
+    frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None, tp_layouts=tp_layouts)
     floor = state_floor(task, blocks_model)
     host_limit = host_budget_for(host_memory) if estimator.device == "cuda" else None
     refuse_from_lower_bound(task, floor, frugal or space, budget, limit, estimator, host_limit)
@@ -278,11 +288,12 @@ def search(
     coverage = coverage_of(objective, searched, enumerated=objective.enumerated)
     if coverage.note() is not None:
         notes.append(str(coverage.note()))
-    if any(e.config.strategy != "single" for e in entries):
+    if any(e.config.ranks > 1 or e.config.strategy != "single" for e in entries):
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     # The measured part is budgeted against the predicted training time (its clock starts here).
     effort = MeasuredBudget(search_effort, training_seconds(task, entries[0], space.global_batch))
-    if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" for e in entries):
+    if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" and e.config.tp == 1
+                                                            for e in entries):
         # Configurations whose step raised when run for real join those that could not be traced.
         entries, probe_notes = probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn, failed)
         notes.extend(probe_notes)
@@ -341,7 +352,8 @@ def _study_then_widen(
         study = study.copy()
         study["study_name"] = f"{study['study_name']}-wider"
     objective, mirrored, interrupted = _run_study(task, estimator, frugal, limit, cache=objective.cache, **study)
-    added = [p for p in frugal.precisions if p not in space.precisions] + [t.name for t in frugal.techniques]
+    added = ([p for p in frugal.precisions if p not in space.precisions] + [t.name for t in frugal.techniques]
+             + [layout.key for layout in frugal.layouts if layout not in space.layouts])
     notes.append(f"nothing fit with the standard configurations; searched again with {', '.join(added)}")
     excluded = optimizer_in_backward_excluded(task)
     if excluded is not None:

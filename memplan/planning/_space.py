@@ -37,6 +37,7 @@ __all__ = [
     "layouts_for",
     "layout_key",
     "space_for",
+    "tensor_parallel_layouts",
 ]
 
 MAX_KERNEL_BATCH = 65535
@@ -51,18 +52,26 @@ an epoch). 32 is the conventional default (PyTorch Lightning's and Keras's batch
 
 @dataclass(frozen=True)
 class Layout:
-    """How the work is spread: a strategy on ``world_size`` processes over ``nodes`` machines."""
+    """How the work is spread: a strategy on ``world_size`` data-parallel replicas over ``nodes``
+    machines, each replica ``tp`` processes of one machine (tensor parallelism)."""
 
     strategy: Strategy = "single"
     world_size: int = 1
     nodes: int = 1
+    tp: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.world_size * self.tp
 
     @property
     def key(self) -> str:
-        """The layout's name in the Optuna study ("single", "ddp x8", "fsdp x16 on 2 nodes")."""
+        """The layout's name in the Optuna study ("single", "ddp x8", "fsdp x16 on 2 nodes",
+        "tp 8", "fsdp x4 x tp 2")."""
+        nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
         if self.strategy == "single":
-            return "single"
-        return f"{self.strategy} x{self.world_size}" + (f" on {self.nodes} nodes" if self.nodes > 1 else "")
+            return "single" if self.tp == 1 else f"tp {self.tp}{nodes}"
+        return f"{self.strategy} x{self.world_size}" + (f" x tp {self.tp}" if self.tp > 1 else "") + nodes
 
 
 @dataclass(frozen=True)
@@ -83,10 +92,11 @@ class Technique:
 
 class CpuOffload(Technique):
     """FSDP2's CPU offload: on one device a world of one FSDP2 rank, on FSDP2 layouts the
-    offload policy added; DDP cannot offload (the configuration stays as it is)."""
+    offload policy added; DDP and tensor-parallel layouts do not offload (the configuration
+    stays as it is)."""
 
     def apply(self, config: TrainConfig) -> TrainConfig:
-        if config.strategy == "ddp" or config.optimizer_in_backward:
+        if config.strategy == "ddp" or config.optimizer_in_backward or config.tp > 1:
             return config
         return config.replace(strategy="fsdp", cpu_offload=True)
 
@@ -149,6 +159,7 @@ class SearchSpace:
             strategy=layout.strategy,
             world_size=layout.world_size,
             nodes=layout.nodes,
+            tp=layout.tp,
             length_grouped=grouped,
         )
         return (self.technique(technique) if isinstance(technique, str) else technique).apply(config)
@@ -340,7 +351,34 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None 
 
 def layout_key(config: TrainConfig) -> str:
     """The study's name for the layout ``config`` runs on."""
-    return Layout(config.strategy, config.world_size, config.nodes).key
+    return Layout(config.strategy, config.world_size, config.nodes, config.tp).key
+
+
+def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:
+    """The tensor-parallel layouts of ``space``'s devices: each degree ``tp`` (a power of two up
+    to the devices of one machine) that the model splits into, FSDP2 over the ``ranks / tp``
+    replicas (none: ``tp`` alone); and why the model splits into none, when it does not.
+    ``model`` is built on meta."""
+    from estimators.runtime._tensor_parallel import resolve_tp_plan
+
+    spread = [layout for layout in space.layouts if layout.ranks > 1 and layout.tp == 1]
+    if not spread:
+        return (), None
+    world, nodes = spread[0].ranks, spread[0].nodes
+    per_node = world // nodes
+    out: list[Layout] = []
+    why = None
+    for tp in _powers_of_two(per_node)[1:]:
+        if per_node % tp:
+            continue
+        try:
+            resolve_tp_plan(model, tp, hook=task.tp_plan, finder=task.checkpoint_blocks)
+        except ConfigError as exc:
+            why = why or str(exc)
+            continue
+        replicas = world // tp
+        out.append(Layout("single", 1, 1, tp) if replicas == 1 else Layout("fsdp", replicas, nodes, tp))
+    return tuple(out), (why if not out else None)
 
 
 def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Precision, ...]:
@@ -433,13 +471,16 @@ The checkpointed blocks keep their matmul outputs (selective), or torchtitan's e
 (op: between selective and full in memory and recomputation)."""
 
 
-def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned: bool) -> SearchSpace | None:
+def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned: bool,
+                 tp_layouts: Sequence[Layout] = ()) -> SearchSpace | None:
     """``space`` widened with the techniques that trade speed or precision for memory, for
     when nothing fits without them: pure bf16 (``bf16-true``: weights, gradients and optimizer
     state in bf16) where the device has bf16 and the precisions were not pinned, selective
     and op-policy checkpointing, the optimizer step in backward (one device, no accumulation, unless the
-    step clips by the global norm), and on a GPU activation offloading and FSDP2's CPU offload
-    (one rank, or every FSDP2 layout's). None when there is nothing to add."""
+    step clips by the global norm), on a GPU activation offloading and FSDP2's CPU offload
+    (one rank, or every FSDP2 layout's), and ``tp_layouts`` (tensor parallelism: its
+    collectives cost every layer time, so it is tried when sharding alone does not fit, as
+    the large-model recipes use it). None when there is nothing to add."""
     from dataclasses import replace
 
     precisions = space.precisions
@@ -461,6 +502,8 @@ def frugal_space(space: SearchSpace, estimator: Estimator, *, precisions_pinned:
             techniques = (*techniques, ACTIVATION_OFFLOAD)
         if CPU_OFFLOAD not in space.techniques and any(layout.strategy != "ddp" for layout in space.layouts):
             techniques = (*techniques, CPU_OFFLOAD)
-    if precisions == space.precisions and not techniques:
+    layouts = tuple(layout for layout in tp_layouts if layout not in space.layouts)
+    if precisions == space.precisions and not techniques and not layouts:
         return None
-    return replace(space, precisions=precisions, techniques=(*space.techniques, *techniques))
+    return replace(space, precisions=precisions, techniques=(*space.techniques, *techniques),
+                   layouts=(*space.layouts, *layouts))
