@@ -35,6 +35,7 @@ reason.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -149,6 +150,12 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, split: set[str]) -> 
         if not any(name.startswith(f"{o}.") or not o for o in owners):
             owners.append(name)
     modules = dict(model.named_modules())
+    if owners:
+        # A DTensor's local tensor is a view of it: FSDP2 warns of every forward whose output is
+        # one (an in-place op on it would skip its backward hook) -- here, each step's logits
+        # when the head is replicated. The step never changes them in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
     for name in owners:
         modules[name].register_forward_pre_hook(_replicated_inputs(mesh), with_kwargs=True)
         modules[name].register_forward_hook(_local_outputs)
