@@ -63,10 +63,10 @@ _COLWISE = frozenset({
 })
 _ROWWISE = frozenset({
     "o_proj", "out_proj", "o", "wo", "c_proj", "fc2", "fc_out", "w2", "down_proj", "lin2",
-    "dense_4h_to_h", "down", "proj",
+    "dense_4h_to_h", "down", "proj", "out",
 })
 HEAD_ATTRIBUTES = ("n_heads", "num_heads", "n_head", "num_attention_heads", "n_kv_heads", "num_key_value_heads",
-                   "n_kv_head", "num_kv_heads", "nheads")
+                   "n_kv_head", "num_kv_heads", "nheads", "heads", "kv_heads")
 """Attributes of an attention module that count its heads: divided by ``tp`` when it splits."""
 
 

@@ -78,7 +78,7 @@ def test_fsdp_and_tensor_parallel_rank_peak_matches_real_gloo_ranks(config, esti
 
 @pytest.mark.timeout(120)
 def test_a_rank_holds_less_as_the_degree_grows(tmp_path):
-    # Fake traces at degrees 1, 2, 4 and 8, in this one process (8 heads, 128 wide).
+    # Fake traces at degrees 1, 2 and 8, in this one process (8 heads, 128 wide).
     path = tmp_path / "lm8.py"
     path.write_text(ATTENTION_LM_SOURCE.replace("d=64, n_heads=4", "d=128, n_heads=8"))
     est = Estimator(load_task(path), device="cpu")
@@ -86,7 +86,7 @@ def test_a_rank_holds_less_as_the_degree_grows(tmp_path):
     split = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
     rest = sum(p.numel() for p in model.parameters()) - split
     peaks = []
-    for tp in (1, 2, 4, 8):
+    for tp in (1, 2, 8):
         e = est.estimate(TrainConfig(micro_batch_size=16, tp=tp), exact=True)
         assert e.method == "traced"
         # Each rank holds 1/tp of the split linears and all of the rest.

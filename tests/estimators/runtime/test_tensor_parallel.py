@@ -67,6 +67,26 @@ def test_a_fused_qkv_projection_stays_replicated_and_its_mlp_splits() -> None:
                                                                             ("c_proj", "rowwise"))}
 
 
+def test_a_block_holding_its_projections_itself_splits_them_and_its_head_counts() -> None:
+    # The layout of benchmarks/models_large.py's Llama 3 block: q/k/v/out and gate/up/down are
+    # the block's own children, and so are its head counts.
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads, self.kv_heads = 8, 2
+            for name, (i, o) in {"q": (32, 32), "k": (32, 8), "v": (32, 8), "out": (32, 32), "gate": (32, 64),
+                                 "up": (32, 64), "down": (64, 32)}.items():
+                setattr(self, name, nn.Linear(i, o, bias=False))
+
+    model = nn.ModuleDict({"layers": nn.ModuleList([Block(), Block()])})
+    plan = resolve_tp_plan(model, 2)
+    assert {n.split(".")[-1]: s for n, s in plan.styles.items()} == {
+        "q": "colwise", "k": "colwise", "v": "colwise", "out": "rowwise", "gate": "colwise", "up": "colwise",
+        "down": "rowwise"}
+    with pytest.raises(ConfigError, match=r"layers\.0\.kv_heads is 2, which tp 4 does not divide"):
+        resolve_tp_plan(model, 4)
+
+
 def test_a_model_with_nothing_to_split_is_refused_with_the_fix() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigError, match=r"found nothing to split.*define\s+tp_plan\(model\)"):
