@@ -168,18 +168,15 @@ def parallelize(
     mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     tp_hook: TpPlanHook | None = None,
-    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for ``config.strategy`` (a no-op for ``single``) after splitting it for
     ``config.tp``; needs an initialised default process group for ``ddp``, ``fsdp`` and
     ``tp > 1``. ``device`` is the training device (FSDP2's mesh; with ``cpu_offload`` the model
-    arrives on the CPU). ``tp_hook`` is the model file's ``tp_plan``; ``mesh``/``tp_mesh`` the
-    meshes to use instead of :func:`device_meshes`' (built outside a fake-tensor mode)."""
+    arrives on the CPU). ``tp_hook`` is the model file's ``tp_plan``."""
     if config.tp > 1:
-        if tp_mesh is None:
-            kind = torch.device(device).type if device is not None else next(
-                (p.device.type for p in model.parameters()), "cpu")
-            mesh, tp_mesh = device_meshes(config, kind)
+        kind = torch.device(device).type if device is not None else next(
+            (p.device.type for p in model.parameters()), "cpu")
+        mesh, tp_mesh = device_meshes(config, kind)
         assert tp_mesh is not None  # tp > 1 has a tp axis
         apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder))
     if config.strategy == "single":
