@@ -36,6 +36,7 @@ from ..runtime._step import make_step_parts, train_step
 from ..task._shapes import dataset_length
 from ..task._task import Task
 from ..tracing._profiler import event_tree, walk_events
+from ..tracing._simulated_ranks import local_tensor
 from ._messages import ConfigDict
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        st = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's memory is its shard's
+        st = local_tensor(t).untyped_storage()  # a DTensor's memory is its shard's
         if st.data_ptr() in seen:
             continue
         seen.add(st.data_ptr())
