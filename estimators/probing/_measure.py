@@ -98,14 +98,18 @@ def _allocation_levels(prof: profile, *, from_mark: str | None = None) -> tuple[
     # Blocks allocated by other threads than the one that runs the steps: gloo's worker
     # threads allocate scratch of their own during collectives, at moments that depend on
     # thread timing (NCCL has none); the estimate describes the training step's own memory.
-    # Such a block is skipped, and so is its release, on whatever thread that happens.
+    # Such a block is skipped, and so is its release, on whatever thread that happens; so is
+    # one allocated inside the process group's own call (``c10d::_allgather_base_``): gloo
+    # gathers into a scratch copy of the output and reduce-scatters through a scratch copy of
+    # the input, where NCCL works in the buffers the functional collective allocated (and the
+    # trace records) before it calls the process group.
     foreign: set[int] = set()
     for e, fields in events:
         if start is not None and e.start_time_ns >= start and level is not None:
             level, peak = running, running
             start = None
         size, ptr = fields.alloc_size, fields.ptr
-        if main_tid is not None and size > 0 and e.start_tid != main_tid:
+        if size > 0 and ((main_tid is not None and e.start_tid != main_tid) or _in_process_group_call(e)):
             foreign.add(ptr)
             continue
         if size < 0 and ptr in foreign:
@@ -116,6 +120,15 @@ def _allocation_levels(prof: profile, *, from_mark: str | None = None) -> tuple[
     if from_mark is not None and start is not None:  # nothing allocated during the steps
         level = peak = running
     return peak, level
+
+
+def _in_process_group_call(event: _ProfilerEvent) -> bool:
+    parent = event.parent
+    while parent is not None:
+        if parent.name.startswith("c10d::"):
+            return True
+        parent = parent.parent
+    return False
 
 
 def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: nn.Module | None = None,
