@@ -78,6 +78,12 @@ class TrainConfig:
     processes of one node (DTensor ``ColwiseParallel``/``RowwiseParallel``, see
     ``runtime._tensor_parallel``), which see the same batch. With ``strategy='fsdp'`` the
     ``world_size`` replicas shard what is left (FSDP2 x TP on a 2-D device mesh)."""
+    sequence_parallel: bool = False
+    """With ``tp > 1``, Megatron's sequence parallelism: between the split pairs (the norms,
+    the residual stream, the inputs a checkpointed block keeps) each of the ``tp`` ranks holds
+    ``1/tp`` of the sequence instead of all of it; each split pair gathers the sequence before
+    its column-wise linears and reduce-scatters after its row-wise one, in place of the
+    all-reduce (see ``runtime._tensor_parallel``)."""
     nodes: int = 1
     """Machines the ``world_size`` processes are spread over, evenly (``world_size % nodes ==
     0``): collectives between nodes cross the network, which the step-time model prices."""
@@ -135,6 +141,8 @@ class TrainConfig:
                 "strategy='fsdp' (world_size=1 offloads a single device) or cpu_offload=False")
         if not isinstance(self.offload_activations, bool):
             raise ConfigError(f"offload_activations must be True or False, got {self.offload_activations!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         _check_tensor_parallel(self)
         if self.world_size % self.nodes:
             raise ConfigError(
@@ -176,6 +184,8 @@ class TrainConfig:
             del d["offload_activations"]  # likewise
         if self.tp == 1:
             del d["tp"]  # likewise
+        if not self.sequence_parallel:
+            del d["sequence_parallel"]  # likewise
         return d
 
     @classmethod
@@ -202,6 +212,8 @@ class TrainConfig:
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
         elif self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
         if self.length_grouped:
             parts.append("length-grouped")
         if self.optimizer_in_backward:
@@ -217,6 +229,9 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
     # The layouts that are traced, probed and trained with tensor parallelism; the others are
     # refused rather than run untested.
     if config.tp == 1:
+        if config.sequence_parallel:
+            raise ConfigError("sequence_parallel splits the sequence over the tensor-parallel ranks; set tp >= 2 "
+                              "or sequence_parallel=False")
         return
     if config.strategy == "ddp":
         raise ConfigError(

@@ -175,7 +175,8 @@ def fit_key(config: TrainConfig) -> tuple[Any, ...]:
     if config.strategy == "single" and config.tp == 1:
         return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.optimizer_in_backward)
     return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.strategy,
-            config.world_size, min(config.grad_accum_steps, 2), config.cpu_offload, config.tp)
+            config.world_size, min(config.grad_accum_steps, 2), config.cpu_offload, config.tp,
+            config.sequence_parallel)
 
 
 def reference_config(config: TrainConfig) -> TrainConfig | None:

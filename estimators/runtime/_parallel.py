@@ -178,7 +178,8 @@ def parallelize(
             (p.device.type for p in model.parameters()), "cpu")
         mesh, tp_mesh = device_meshes(config, kind)
         assert tp_mesh is not None  # tp > 1 has a tp axis
-        apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder))
+        apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder),
+                 sequence_parallel=config.sequence_parallel, finder=finder)
     if config.strategy == "single":
         return model
     if config.strategy == "ddp":

@@ -30,6 +30,19 @@ that holds the column-wise linears) are divided by ``tp``, as torchtitan does, s
 that reshapes by them sees its local heads. What is left that does not fit (a reshape by the
 full width) fails the traced step, and tensor parallelism is refused for the model with the
 reason.
+
+Sequence parallelism (``TrainConfig.sequence_parallel``, Megatron-LM's, torchtitan's
+``SequenceParallel``): between the split pairs the block stack's residual stream is sharded
+on the sequence (dimension 1: hidden states are ``(batch, sequence, ...)``), so that the norms
+there, the residual adds and the inputs a checkpointed block keeps are ``1/tp`` of their size
+on each rank. The first block's hidden states are cut (each rank keeps its part: no
+communication), each split pair all-gathers them before its column-wise linears and its
+row-wise linear reduce-scatters where it would all-reduce (the same bytes), and the last
+block's output is gathered again for what follows the stack (the last norm, the head, the
+loss). What runs between the pairs must work on each position alone: only norms may hold
+parameters there (anything else is refused with its name), and the blocks must run one after
+another on each other's outputs, as a layer loop does. A norm's weight then gets a partial
+gradient from each rank's part of the sequence, all-reduced as it is accumulated.
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ from ._checkpoint import BlockFinder, find_block_stack
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TpStyle", "TpPlan", "TpPlanHook", "resolve_tp_plan", "apply_tp", "HEAD_ATTRIBUTES"]
+__all__ = ["TpStyle", "TpPlan", "TpPlanHook", "resolve_tp_plan", "apply_tp", "sequence_parallel_refusal",
+           "HEAD_ATTRIBUTES", "SEQUENCE_DIM"]
 
 TpStyle = Literal["colwise", "rowwise"]
 TpPlanHook = Callable[[nn.Module], Mapping[str, str]]
@@ -105,50 +119,96 @@ def resolve_tp_plan(model: nn.Module, tp: int, *, hook: TpPlanHook | None = None
     return TpPlan(styles, source)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> nn.Module:
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan, *, sequence_parallel: bool = False,
+             finder: BlockFinder | None = None) -> nn.Module:
     """Split ``plan``'s linears over the 1-D ``mesh`` (in place) and divide the head counts of
-    the modules that hold the column-wise ones; returns ``model``."""
+    the modules that hold the column-wise ones; with ``sequence_parallel``, also shard the
+    sequence between the split pairs of the block stack (``finder`` names it, as for
+    checkpointing). Returns ``model``."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = mesh.size()
     modules = dict(model.named_modules())
-    for parent_name in dict.fromkeys(name.rsplit(".", 1)[0] for name, style in plan.styles.items()
-                                     if style == "colwise" and "." in name):
+    parents = _parents(plan)
+    owners = _owners(model, set(plan.styles))
+    blocks: list[nn.Module] = []
+    stream: set[str] = set()
+    if sequence_parallel:
+        blocks, stream = _sequence_region(model, plan, parents, owners, finder)
+    for parent_name in parents:
         parent = modules[parent_name]
         for attr in HEAD_ATTRIBUTES:
             value = getattr(parent, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(parent, attr, value // tp)
-    parallelize_module(model, mesh, {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    # Sequence parallel: the row-wise linear reduce-scatters its partial sums over the
+    # sequence instead of all-reducing them (the same bytes, a 1/tp output).
+    rowwise = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if sequence_parallel else RowwiseParallel()
+    parallelize_module(model, mesh, {name: ColwiseParallel() if style == "colwise" else rowwise
                                      for name, style in plan.styles.items()})
-    _replicate_the_rest(model, mesh, set(plan.styles))
+    _replicate_the_rest(model, mesh, owners, stream)
+    if sequence_parallel:
+        for name in parents:
+            modules[name].register_forward_pre_hook(_gathered_sequence(mesh), with_kwargs=True)
+        _shard_the_stream(blocks, mesh)
+        _gradients_as_their_parameters(model)
     return model
 
 
-def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, split: set[str]) -> None:
-    """Every parameter the split left plain becomes a replicated DTensor (a tied one once, in
-    every module that holds it); the outermost modules that hold them convert their tensor
-    inputs to replicated DTensors and their DTensor outputs back to local tensors."""
-    from torch.distributed.tensor import DTensor, Replicate
+def sequence_parallel_refusal(model: nn.Module, plan: TpPlan, *, finder: BlockFinder | None = None) -> str | None:
+    """Why ``model`` split by ``plan`` cannot also shard its sequence (None: it can, as far as
+    its modules tell; the traced step checks the shapes). ``model`` may be on meta."""
+    parents = _parents(plan)
+    try:
+        _sequence_region(model, plan, parents, _owners(model, set(plan.styles)), finder)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
-    replicas: dict[int, nn.Parameter] = {}
+
+def _parents(plan: TpPlan) -> list[str]:
+    """The modules that hold a split pair (its column-wise linears)."""
+    return list(dict.fromkeys(name.rsplit(".", 1)[0] for name, style in plan.styles.items()
+                              if style == "colwise" and "." in name))
+
+
+def _owners(model: nn.Module, split: set[str]) -> list[str]:
+    """The outermost modules that hold parameters the split leaves (each replicated); raises
+    when one of them also holds split linears."""
     owners: list[str] = []
     for name, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if name in split:
+            continue
+        own = [n for n, _ in module.named_parameters(recurse=False)]
         if not own:
             continue
         inside = [s for s in split if s.startswith(f"{name}.") or not name]
         if inside:
             raise ConfigError(
-                f"tensor parallelism: {name or 'the model'} holds parameters of its own ({own[0][0]}) beside split "
+                f"tensor parallelism: {name or 'the model'} holds parameters of its own ({own[0]}) beside split "
                 f"linears ({inside[0]}); move them into a submodule, or use tp=1")
-        for n, p in own:
+        if not any(name.startswith(f"{o}.") or not o for o in owners):
+            owners.append(name)
+    return owners
+
+
+def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, owners: list[str], stream: set[str]) -> None:
+    """Every parameter the split left plain becomes a replicated DTensor (a tied one once, in
+    every module that holds it); the ``owners`` convert their tensor inputs to replicated
+    DTensors (those in the sequence-parallel ``stream``: to DTensors sharded on the
+    sequence) and their DTensor outputs back to local tensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    replicas: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for n, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                continue
             if id(p) not in replicas:
                 replicas[id(p)] = nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
                                                requires_grad=p.requires_grad)
             setattr(module, n, replicas[id(p)])
-        if not any(name.startswith(f"{o}.") or not o for o in owners):
-            owners.append(name)
     modules = dict(model.named_modules())
     if owners:
         # A DTensor's local tensor is a view of it: FSDP2 warns of every forward whose output is
@@ -157,22 +217,26 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, split: set[str]) -> 
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                                 category=UserWarning)
     for name in owners:
-        modules[name].register_forward_pre_hook(_replicated_inputs(mesh), with_kwargs=True)
+        modules[name].register_forward_pre_hook(_dtensor_inputs(mesh, sharded=name in stream), with_kwargs=True)
         modules[name].register_forward_hook(_local_outputs)
 
 
-def _replicated_inputs(mesh: DeviceMesh) -> Callable[..., tuple[tuple[object, ...], dict[str, object]]]:
-    from torch.distributed.tensor import DTensor, Replicate
+def _dtensor_inputs(mesh: DeviceMesh, *, sharded: bool
+                    ) -> Callable[..., tuple[tuple[object, ...], dict[str, object]]]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.utils._pytree import tree_map
 
-    def to_replicated(t: object) -> object:
+    def to_dtensor(t: object) -> object:
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-            return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+            # A norm of the sequence-parallel stream sees its rank's part of the sequence: its
+            # weight's gradient is then a partial sum (see _gradients_as_their_parameters).
+            placement = Shard(SEQUENCE_DIM) if sharded and t.dim() > SEQUENCE_DIM else Replicate()
+            return DTensor.from_local(t, mesh, [placement], run_check=False)
         return t
 
     def hook(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
              ) -> tuple[tuple[object, ...], dict[str, object]]:
-        return tree_map(to_replicated, args), tree_map(to_replicated, kwargs)
+        return tree_map(to_dtensor, args), tree_map(to_dtensor, kwargs)
 
     return hook
 
@@ -182,6 +246,172 @@ def _local_outputs(_module: nn.Module, _args: object, output: object) -> object:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, output)
+
+
+SEQUENCE_DIM = 1
+"""The sequence dimension of the hidden states between blocks (batch first, as Hugging Face's
+and torchtitan's models keep them)."""
+
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+_HIDDEN_NAMES = ("hidden_states", "hidden", "x", "h", "input", "inputs", "inputs_embeds")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # A norm works on each token alone: on a part of the sequence it computes that part's
+    # output exactly (its weight's gradient is a partial sum, which is reduced).
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith(("Norm", "LayerNorm", "RMSNorm"))
+
+
+def _sequence_region(model: nn.Module, plan: TpPlan, parents: list[str], owners: list[str],
+                     finder: BlockFinder | None) -> tuple[list[nn.Module], set[str]]:
+    """The block stack whose residual stream is sharded on the sequence, and the owners of
+    replicated parameters that see it (norms only); raises ``ConfigError`` naming what would
+    see a part of the sequence where it needs all of it."""
+    why = "use sequence_parallel=False"
+    try:
+        blocks = find_block_stack(model, finder)
+    except ConfigError:
+        blocks = []
+    if not blocks:
+        raise ConfigError("sequence parallelism shards the residual stream of the model's block stack, and none "
+                          f"was found; define checkpoint_blocks(model) in the model file, or {why}")
+    names = {id(m): n for n, m in model.named_modules()}
+    block_names = [names[id(b)] for b in blocks]
+
+    def block_of(name: str) -> str | None:
+        return next((b for b in block_names if name.startswith(f"{b}.") or not b), None)
+
+    def in_pair(name: str) -> bool:
+        return any(name == p or name.startswith(f"{p}.") for p in parents)
+
+    for name, style in plan.styles.items():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if block_of(name) is None or parent not in parents:
+            raise ConfigError(
+                f"sequence parallelism: {name} ({style}) is not in a module of the block stack that holds both the "
+                f"column-wise and the row-wise linears of its pair; {why}")
+    modules = dict(model.named_modules())
+    stream = {o for o in owners if block_of(o) is not None and not in_pair(o)}
+    for name in sorted(stream):
+        if not _is_norm(modules[name]):
+            raise ConfigError(
+                f"sequence parallelism: {name} ({type(modules[name]).__name__}) would see 1/tp of the sequence "
+                f"between the split pairs, where only norms may; {why}")
+    return blocks, stream
+
+
+def _hidden_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int | str | None:
+    """Where a block's (or a pair's) hidden states are among its arguments: the first
+    positional tensor, else the first keyword named like them."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return i
+    return next((k for k in _HIDDEN_NAMES if isinstance(kwargs.get(k), torch.Tensor)), None)
+
+
+def _with_hidden(args: tuple[object, ...], kwargs: dict[str, object], where: int | str, value: object
+                 ) -> tuple[tuple[object, ...], dict[str, object]]:
+    if isinstance(where, int):
+        return (*args[:where], value, *args[where + 1:]), kwargs
+    return args, {**kwargs, where: value}
+
+
+def _gathered_sequence(mesh: DeviceMesh) -> Callable[..., tuple[tuple[object, ...], dict[str, object]] | None]:
+    """A split pair's input hook: its rank's part of the sequence all-gathered into a
+    replicated DTensor, which the column-wise linears take as it is, so that backward sums
+    their partial input gradients with one reduce-scatter (Megatron's "g")."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+             ) -> tuple[tuple[object, ...], dict[str, object]] | None:
+        where = _hidden_of(args, kwargs)
+        if where is None:
+            return None
+        hidden = args[where] if isinstance(where, int) else kwargs[where]
+        assert isinstance(hidden, torch.Tensor)
+        if isinstance(hidden, DTensor):
+            return None
+        full = DTensor.from_local(hidden, mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
+            mesh, [Replicate()])
+        return _with_hidden(args, kwargs, where, full)
+
+    return hook
+
+
+def _shard_the_stream(blocks: list[nn.Module], mesh: DeviceMesh) -> None:
+    """The block stack's hidden states enter sharded on the sequence (each rank keeps its
+    part: no communication) and leave it gathered, so that what runs before and after the
+    stack (embeddings, the last norm, the head, the loss) sees whole sequences."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp = mesh.size()
+    full_length: list[int] = [0]
+
+    def enter(index: int) -> Callable[..., tuple[tuple[object, ...], dict[str, object]] | None]:
+        def hook(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+                 ) -> tuple[tuple[object, ...], dict[str, object]] | None:
+            where = _hidden_of(args, kwargs)
+            if where is None:
+                raise ConfigError("sequence parallelism: a block of the block stack was called without a tensor "
+                                  "of hidden states; use sequence_parallel=False")
+            hidden = args[where] if isinstance(where, int) else kwargs[where]
+            assert isinstance(hidden, torch.Tensor)
+            # (batch, features) has no sequence: sharding its features would give a norm
+            # between the pairs half of what it normalises over.
+            if hidden.dim() < 3:
+                raise ConfigError(f"sequence parallelism: the blocks' hidden states have shape {tuple(hidden.shape)}, "
+                                  "not (batch, sequence, ...); use sequence_parallel=False")
+            length = hidden.shape[SEQUENCE_DIM]
+            if index == 0:
+                full_length[0] = length
+            elif length * tp == full_length[0]:
+                return None  # the previous block's output, already a part of the sequence
+            elif length != full_length[0]:
+                raise ConfigError(
+                    f"sequence parallelism: block {index} got hidden states of {length} positions where the first "
+                    f"block got {full_length[0]}; use sequence_parallel=False")
+            if length % tp:
+                raise ConfigError(f"sequence parallelism splits the sequence of {length} positions over tp {tp}, "
+                                  "which does not divide it; pad the sequences to a multiple of tp, or use "
+                                  "sequence_parallel=False")
+            part = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False).redistribute(
+                mesh, [Shard(SEQUENCE_DIM)]).to_local()
+            return _with_hidden(args, kwargs, where, part)
+
+        return hook
+
+    def leave(_module: nn.Module, _args: object, output: object) -> object:
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(t, mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
+                mesh, [Replicate()]).to_local()
+
+        if isinstance(output, torch.Tensor):
+            return gathered(output)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)([gathered(output[0]), *output[1:]])
+        raise ConfigError("sequence parallelism: the last block returns neither its hidden states nor a tuple "
+                          "that starts with them; use sequence_parallel=False")
+
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(enter(index), with_kwargs=True)
+    blocks[-1].register_forward_hook(leave)
+
+
+def _gradients_as_their_parameters(model: nn.Module) -> None:
+    """A replicated parameter used on a part of the sequence (a norm's weight, a row-wise
+    bias) gets a partial-sum gradient; it is all-reduced into the parameter's placement as
+    soon as it is accumulated, so that clipping and the optimizer see whole gradients. (FSDP2
+    does the same for its own parameters, which replace these.)"""
+    from torch.distributed.tensor import DTensor
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(hook)
 
 
 def _pattern(key: str) -> re.Pattern[str]:

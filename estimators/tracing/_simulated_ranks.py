@@ -246,7 +246,8 @@ def parallelize_simulated(
         mesh = init_device_mesh("cpu", (config.world_size,))
     with mode if mode is not None else contextlib.nullcontext(), _meshes_made_real():
         if tp_mesh is not None:
-            apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder))
+            apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder),
+                 sequence_parallel=config.sequence_parallel, finder=finder)
         if config.strategy == "single":
             return model
         if config.strategy == "ddp":

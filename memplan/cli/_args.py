@@ -82,6 +82,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", default="1",
                    help="tensor-parallel degree: each block's attention and MLP split over this many devices of a "
                    "machine (default 1); data-parallel replicas = ranks / tp")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: each of the tp devices holds 1/tp of the sequence between the split linears "
+                   "(the norms, the residual stream, the inputs checkpointed blocks keep)")
     g.add_argument("--cpu-offload", action="store_true",
                    help="FSDP2's CPU offload: parameters, gradients and optimizer state in host memory "
                    "(the strategy defaults to fsdp)")
@@ -118,6 +121,10 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
     if args.cpu_offload and strategy != "fsdp":
         raise ConfigError(f"--cpu-offload is FSDP2's offload, but --strategy is {strategy}; use --strategy fsdp "
                           "(one device offloads too)")
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
+    if sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel devices; add --tp N "
+                          "(N >= 2) or drop --sequence-parallel")
     if args.checkpoint_policy != "full" and segments == 0:
         raise ConfigError(f"--checkpoint-policy {args.checkpoint_policy} applies to checkpointed blocks; "
                           "add --checkpoint N (N >= 1 blocks)")
@@ -131,6 +138,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         world_size=world,
         nodes=nodes,
         tp=tp,
+        sequence_parallel=sequence_parallel,
         cpu_offload=args.cpu_offload,
         offload_activations=args.offload_activations,
         optimizer_in_backward=args.optimizer_in_backward,

@@ -105,8 +105,9 @@ def contrast(space: SearchSpace, config: TrainConfig) -> TrainConfig | None:
     segments = other(space.checkpoint_segments, config.checkpoint_segments, prefer=0)
     keys = [layout.key for layout in space.layouts]
     current = next((layout.key for layout in space.layouts
-                    if (layout.strategy, layout.world_size, layout.nodes, layout.tp)
-                    == (config.strategy, config.world_size, config.nodes, config.tp)), keys[0])
+                    if (layout.strategy, layout.world_size, layout.nodes, layout.tp, layout.sequence_parallel)
+                    == (config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel)),
+                   keys[0])
     layout = other(tuple(keys), current)
     candidate = space.config(micro, precision, segments, layout)
     return None if candidate == config else candidate

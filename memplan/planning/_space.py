@@ -53,12 +53,14 @@ an epoch). 32 is the conventional default (PyTorch Lightning's and Keras's batch
 @dataclass(frozen=True)
 class Layout:
     """How the work is spread: a strategy on ``world_size`` data-parallel replicas over ``nodes``
-    machines, each replica ``tp`` processes of one machine (tensor parallelism)."""
+    machines, each replica ``tp`` processes of one machine (tensor parallelism, with the
+    sequence sharded between its split pairs when ``sequence_parallel``)."""
 
     strategy: Strategy = "single"
     world_size: int = 1
     nodes: int = 1
     tp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def ranks(self) -> int:
@@ -67,11 +69,12 @@ class Layout:
     @property
     def key(self) -> str:
         """The layout's name in the Optuna study ("single", "ddp x8", "fsdp x16 on 2 nodes",
-        "tp 8", "fsdp x4 x tp 2")."""
+        "tp 8", "fsdp x4 x tp 2 sp": "sp" for sequence parallel)."""
         nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        tp = f"tp {self.tp}" + (" sp" if self.sequence_parallel else "")
         if self.strategy == "single":
-            return "single" if self.tp == 1 else f"tp {self.tp}{nodes}"
-        return f"{self.strategy} x{self.world_size}" + (f" x tp {self.tp}" if self.tp > 1 else "") + nodes
+            return "single" if self.tp == 1 else f"{tp}{nodes}"
+        return f"{self.strategy} x{self.world_size}" + (f" x {tp}" if self.tp > 1 else "") + nodes
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class SearchSpace:
             world_size=layout.world_size,
             nodes=layout.nodes,
             tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel,
             length_grouped=grouped,
         )
         return (self.technique(technique) if isinstance(technique, str) else technique).apply(config)
@@ -351,15 +355,18 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None 
 
 def layout_key(config: TrainConfig) -> str:
     """The study's name for the layout ``config`` runs on."""
-    return Layout(config.strategy, config.world_size, config.nodes, config.tp).key
+    return Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel).key
 
 
 def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:
     """The tensor-parallel layouts of ``space``'s devices: each degree ``tp`` (a power of two up
     to the devices of one machine) that the model splits into, FSDP2 over the ``ranks / tp``
     replicas (none: ``tp`` alone); and why the model splits into none, when it does not.
-    ``model`` is built on meta."""
-    from estimators.runtime._tensor_parallel import resolve_tp_plan
+    Each degree also comes sequence parallel where the model's blocks allow it (norms alone
+    between the split pairs), as torchtitan trains: the same bytes communicated as plain
+    tensor parallelism (a gather and a reduce-scatter for each all-reduce), ``1/tp`` of the
+    stream's activations. ``model`` is built on meta."""
+    from estimators.runtime._tensor_parallel import resolve_tp_plan, sequence_parallel_refusal
 
     spread = [layout for layout in space.layouts if layout.ranks > 1 and layout.tp == 1]
     if not spread:
@@ -372,12 +379,18 @@ def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) ->
         if per_node % tp:
             continue
         try:
-            resolve_tp_plan(model, tp, hook=task.tp_plan, finder=task.checkpoint_blocks)
+            plan = resolve_tp_plan(model, tp, hook=task.tp_plan, finder=task.checkpoint_blocks)
         except ConfigError as exc:
             why = why or str(exc)
             continue
+        # Plain tensor parallelism stays beside the sequence-parallel layout: the traced step
+        # may still refuse the latter (hidden states without a sequence dimension, a length
+        # that tp does not divide).
+        modes = (False, True) if sequence_parallel_refusal(model, plan, finder=task.checkpoint_blocks) is None else (
+            False,)
         replicas = world // tp
-        out.append(Layout("single", 1, 1, tp) if replicas == 1 else Layout("fsdp", replicas, nodes, tp))
+        out += [Layout("single", 1, 1, tp, sp) if replicas == 1 else Layout("fsdp", replicas, nodes, tp, sp)
+                for sp in modes]
     return tuple(out), (why if not out else None)
 
 

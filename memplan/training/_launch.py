@@ -111,7 +111,8 @@ def distributed_ladder(ladder: Sequence[Any] | None, config: TrainConfig) -> lis
     size and tensor-parallel degree (a relaunch keeps the processes it has and the checkpoint
     format it wrote)."""
     return [c for c in ladder_configs(ladder, config)
-            if c.strategy == config.strategy and c.world_size == config.world_size and c.tp == config.tp]
+            if c.strategy == config.strategy and c.world_size == config.world_size and c.tp == config.tp
+            and c.sequence_parallel == config.sequence_parallel]
 
 
 def launch_training(

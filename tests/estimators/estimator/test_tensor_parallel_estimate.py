@@ -15,11 +15,14 @@ pytestmark = pytest.mark.distributed
 TP = [
     TrainConfig(micro_batch_size=16, tp=2),
     TrainConfig(micro_batch_size=16, tp=2, precision="bf16-mixed", grad_accum_steps=3, checkpoint_segments=2),
+    TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=True),
+    TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=True, precision="bf16-mixed", grad_accum_steps=3,
+                checkpoint_segments=2),
 ]
 FSDP_TP = [
     TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2),
     TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
-                checkpoint_segments=2),
+                checkpoint_segments=2, sequence_parallel=True),
 ]
 
 

@@ -187,3 +187,62 @@ def test_the_configuration_counts_ranks_and_refuses_untested_mixes() -> None:
         TrainConfig(micro_batch_size=4, strategy="fsdp", tp=2, cpu_offload=True)
     with pytest.raises(ConfigError, match="tp must be a whole number >= 1"):
         TrainConfig(micro_batch_size=4, tp=0)
+
+
+def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
+    from torch.distributed.tensor import DTensor
+
+    return tuple((t.to_local() if isinstance(t, DTensor) else t).shape)
+
+
+def _sequence_parallel(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """Split ``model`` over 2 simulated ranks with sequence parallelism, run ``x`` through it,
+    and return the shape of the part of its input each block, norm and pair holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from estimators.tracing._simulated_ranks import simulated_ranks
+
+    seen: dict[str, tuple[int, ...]] = {}
+    with simulated_ranks(2):
+        apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2), sequence_parallel=True)
+        for name, module in model.named_modules():
+            if name.count(".") <= 2 and name.startswith("layers.0") or name in ("norm", "layers.2"):
+                module.register_forward_pre_hook(lambda m, args, name=name: seen.setdefault(name, _local_shape(args[0]))
+                                                 and None)
+        out = model(x)
+    seen["output"] = tuple(out.shape)
+    return seen
+
+
+def test_sequence_parallel_shards_the_stream_between_the_pairs() -> None:
+    seen = _sequence_parallel(attention_lm(), torch.randint(0, 256, (2, 8)))
+    # The blocks and their norms see half of the 8 positions; each split pair gathers them all;
+    # the last norm and the head see whole sequences again.
+    assert seen["layers.0"] == seen["layers.0.attn_norm"] == seen["layers.2"] == (2, 4, 64)
+    assert seen["layers.0.mlp_norm"] == (2, 4, 64)
+    assert seen["layers.0.attn"] == seen["layers.0.mlp"] == (2, 8, 64)
+    assert seen["norm"] == (2, 8, 64) and seen["output"] == (2, 8, 256)
+
+
+def test_sequence_parallel_refuses_what_would_see_part_of_the_sequence() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from estimators.tracing._simulated_ranks import simulated_ranks
+
+    # A sequence of 7 positions does not split over 2 ranks.
+    with pytest.raises(ConfigError, match="sequence of 7 positions over tp 2, which does not divide it"):
+        _sequence_parallel(attention_lm(), torch.randint(0, 256, (2, 7)))
+    # A replicated module between the pairs that is not a norm (it could mix positions).
+    model = attention_lm()
+    for block in model.layers:
+        block.mlp_norm = nn.Conv1d(64, 64, 1)  # type: ignore[assignment]
+    with simulated_ranks(2), pytest.raises(
+            ConfigError, match=r"layers\.0\.mlp_norm \(Conv1d\) would see 1/tp of the sequence between the split pairs"):
+        apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2), sequence_parallel=True)
+    # Nothing asks for sequence parallelism without tensor parallelism.
+    with pytest.raises(ConfigError, match="sequence_parallel splits the sequence over the tensor-parallel ranks"):
+        TrainConfig(micro_batch_size=4, sequence_parallel=True)
+    c = TrainConfig(micro_batch_size=4, tp=2, sequence_parallel=True)
+    assert c.describe() == "micro-batch 4, fp32, tp 2, sequence parallel"
+    assert TrainConfig.from_dict(c.to_dict()) == c and "sequence_parallel" not in c.replace(
+        sequence_parallel=False).to_dict()

@@ -63,6 +63,7 @@ def test_the_flags_build_the_configuration_and_estimate_it(argv, config, write_m
     (["--tp", "2", "--gpus", "4"], "2 data-parallel replicas (--gpus 4 x --nodes 1 / --tp 2) need a data-parallel"),
     # The split is the model's: this one has no attention or MLP linears to split.
     (["--tp", "2", "--gpus", "2"], "tensor parallelism found nothing to split"),
+    (["--sequence-parallel"], "--sequence-parallel splits the sequence over the tensor-parallel devices; add --tp"),
     # The flag reaches the step's checks: the default step clips by the global norm.
     (["--optimizer-in-backward"], "optimizer_in_backward cannot clip by the global gradient norm"),
 ])
@@ -86,6 +87,12 @@ def test_tensor_parallel_flags_estimate_a_rank_of_the_split_model(write_model, c
     code, whole, err = _estimate(capsys, path, "-b", "16", "--gpus", "2", "--strategy", "fsdp")
     assert code == 0, err
     assert data["peak_allocated_bytes"] < whole["peak_allocated_bytes"]
+    # Sequence parallel: the same split, the stream between the pairs a half on each rank.
+    code, sp, err = _estimate(capsys, path, "-b", "16", "--gpus", "4", "--tp", "2", "--strategy", "fsdp",
+                              "--sequence-parallel")
+    assert code == 0, err
+    assert TrainConfig.from_dict(sp["config"]) == config.replace(sequence_parallel=True)
+    assert sp["peak_allocated_bytes"] < data["peak_allocated_bytes"]
 
 
 def test_a_probe_of_several_ranks_is_refused_in_one_line(write_model, capsys) -> None:

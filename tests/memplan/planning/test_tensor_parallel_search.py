@@ -61,8 +61,16 @@ def test_the_degrees_are_those_of_one_machine_that_the_model_divides() -> None:
     model = ns["AttentionLM"]()  # type: ignore[operator]  # 4 heads: tp 8 does not divide them
     task = Task(name="lm", build_model=lambda: model)
     layouts, why = tensor_parallel_layouts(_space(8, 2), task, model)
-    assert layouts == (Layout("fsdp", 8, 2, 2), Layout("fsdp", 4, 2, 4)) and why is None
-    assert [layout.key for layout in layouts] == ["fsdp x8 x tp 2 on 2 nodes", "fsdp x4 x tp 4 on 2 nodes"]
+    # Each degree plain and sequence parallel (norms alone between the split pairs).
+    assert layouts == (Layout("fsdp", 8, 2, 2), Layout("fsdp", 8, 2, 2, True), Layout("fsdp", 4, 2, 4),
+                       Layout("fsdp", 4, 2, 4, True)) and why is None
+    assert [layout.key for layout in layouts] == ["fsdp x8 x tp 2 on 2 nodes", "fsdp x8 x tp 2 sp on 2 nodes",
+                                                  "fsdp x4 x tp 4 on 2 nodes", "fsdp x4 x tp 4 sp on 2 nodes"]
+    layouts, _ = tensor_parallel_layouts(_space(4), task, model)
+    assert [layout.key for layout in layouts] == ["fsdp x2 x tp 2", "fsdp x2 x tp 2 sp", "tp 4", "tp 4 sp"]
+    # A block with a module between its pairs that is not a norm: plain tensor parallelism only.
+    for block in model.layers:
+        block.mlp_norm = nn.Conv1d(64, 64, 1)
     layouts, _ = tensor_parallel_layouts(_space(4), task, model)
     assert [layout.key for layout in layouts] == ["fsdp x2 x tp 2", "tp 4"]
     assert tensor_parallel_layouts(_space(1), task, model) == ((), None)
@@ -70,6 +78,7 @@ def test_the_degrees_are_those_of_one_machine_that_the_model_divides() -> None:
     layouts, why = tensor_parallel_layouts(_space(2), Task(name="plain", build_model=lambda: plain), plain)
     assert layouts == () and why is not None and "found nothing to split" in why
     assert layout_key(TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=4, tp=2)) == "fsdp x4 x tp 2"
+    assert layout_key(TrainConfig(micro_batch_size=2, tp=2, sequence_parallel=True)) == "tp 2 sp"
 
 
 def test_tensor_parallelism_is_planned_when_data_parallelism_alone_does_not_fit() -> None:
@@ -84,6 +93,10 @@ def test_tensor_parallelism_is_planned_when_data_parallelism_alone_does_not_fit(
     assert any("searched again with" in n and "tp 2" in n for n in plan.notes), plan.notes
     assert " tp 2 " in plan.table()
     assert plan.best.predicted.peak_bytes <= 110e6 * 0.9
+    # Its blocks hold no norm between the pairs, so the sequence-parallel layout was tried too,
+    # and its traced step refused it: these hidden states have no sequence to shard.
+    refused = [r for c, r in plan.failures.items() if c.sequence_parallel]
+    assert refused and all("not (batch, sequence, ...)" in r for r in refused), plan.failures
     # The tools' exports would train the whole model on each device: refused, with the way to train it.
     from memplan.integrations._plan_facts import layout
 

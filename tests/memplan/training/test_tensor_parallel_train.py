@@ -1,4 +1,5 @@
-"""Tensor parallelism trained for real: 2 gloo processes (tp 2) and 4 (FSDP2 x 2 by tp 2) match a
+"""Tensor parallelism trained for real: 2 gloo processes (tp 2, and with sequence parallelism) and 4
+(FSDP2 x 2 by tp 2) match a
 single-process run of the same global batch step by step, write full weights, and resume from
 their sharded checkpoint."""
 
@@ -45,7 +46,10 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("config", [
     TrainConfig(micro_batch_size=8, tp=2),
     TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=2, tp=2),
-], ids=["tp 2", "fsdp 2 x tp 2"])
+    # The norms' weights get partial gradients from their part of the sequence, summed over
+    # the tp ranks at each of the two micro-batches' accumulation.
+    TrainConfig(micro_batch_size=4, grad_accum_steps=2, tp=2, sequence_parallel=True),
+], ids=["tp 2", "fsdp 2 x tp 2", "tp 2 sequence parallel"])
 def test_tensor_parallel_matches_one_process(single: tuple[Path, Path], tmp_path: Path, config: TrainConfig) -> None:
     path, reference = single
     out = tmp_path / "run"
