@@ -1,9 +1,11 @@
 """Per-rank memory of tensor parallelism: the one-process fake trace against real gloo ranks.
 
 The test suite's attention LM (``tests/helpers/lm.py``: 3 Llama-shaped blocks, 64 wide, 4
-heads, 64 tokens) is estimated at tp 2 and at FSDP2 x 2 by tp 2 (fp32; bf16-mixed with 3
-micro-batches and 2 checkpointed blocks), then trained for 2 steps by 2 and 4 gloo processes
-whose allocator peaks are measured (``estimators.probing._measure``).
+heads, 64 tokens) is estimated at tp 2 and at FSDP2 x 2 by tp 2, each plain and sequence
+parallel (fp32; fp32 with 2 checkpointed blocks; bf16-mixed with 3 micro-batches and 2
+checkpointed blocks), then trained for 2 steps by 2 and 4 gloo processes whose allocator peaks
+are measured (``estimators.probing._measure``: gloo's own scratch, made on its threads or inside
+the process group's call, is left out, as NCCL makes none).
 
     python benchmarks/tensor_parallel_memory.py [--out benchmarks/results/tensor_parallel_memory.md]
 """
@@ -29,11 +31,12 @@ from estimators.probing._measure import measure_distributed_peaks  # noqa: E402
 
 COMMAND = "python benchmarks/tensor_parallel_memory.py --out benchmarks/results/tensor_parallel_memory.md"
 GROUPS = [
-    [TrainConfig(micro_batch_size=16, tp=2),
-     TrainConfig(micro_batch_size=16, tp=2, precision="bf16-mixed", grad_accum_steps=3, checkpoint_segments=2)],
-    [TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2),
-     TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2, precision="bf16-mixed", grad_accum_steps=3,
-                 checkpoint_segments=2)],
+    [TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=sp, **kw) for sp in (False, True)
+     for kw in ({}, {"checkpoint_segments": 2}, {"precision": "bf16-mixed", "grad_accum_steps": 3,
+                                                  "checkpoint_segments": 2})],
+    [TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2, sequence_parallel=sp, **kw)
+     for sp in (False, True) for kw in ({}, {"precision": "bf16-mixed", "grad_accum_steps": 3,
+                                             "checkpoint_segments": 2})],
 ]
 
 
@@ -56,9 +59,9 @@ def main() -> None:
     lines = ["# Tensor parallelism: per-rank peak, fake trace vs real gloo ranks", "", f"Command: `{COMMAND}`", "",
              f"- machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
              f"run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             "- a rank above the prediction holds gloo's buffers of collectives still finishing on its own "
-             "thread (NCCL holds none): all-reduced activations under tp, gradients being reduce-scattered and "
-             "a unit's gathered parameters under FSDP2 as well (see distributed.md)", "",
+             "- the measurement leaves out gloo's scratch (allocated on its worker threads or inside the process "
+             "group's call: NCCL makes none); a rank still above the prediction holds buffers of collectives it "
+             "is finishing (see distributed.md)", "",
              "| configuration | method | predicted bytes | measured per rank | measured / predicted |",
              "|---|---|---:|---:|---:|", *rows, ""]
     text = "\n".join(lines)
