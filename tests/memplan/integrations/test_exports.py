@@ -126,7 +126,7 @@ def test_every_tool_emits_and_an_unknown_one_is_refused() -> None:
         emit(plan, "deepspeed")
 
 
-def test_plan_emit_prints_the_settings_and_the_caveats_on_stderr(tmp_path: Path) -> None:
+def test_plan_emit_prints_the_settings_and_the_caveats_on_stderr(tmp_path: Path, capsys) -> None:
     folder = write_tiny(tmp_path / "tiny")
     out = tmp_path / "args.json"
     run = subprocess.run([sys.executable, "-m", "memplan.cli", "plan", f"hf:{folder}", "--seq-len", "32",
@@ -138,6 +138,7 @@ def test_plan_emit_prints_the_settings_and_the_caveats_on_stderr(tmp_path: Path)
     assert written["max_length"] == 32
     assert written["per_device_train_batch_size"] * written["gradient_accumulation_steps"] == 8
     assert f"trl settings written to {out}" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "memplan.cli", "plan", f"hf:{folder}", "--seq-len", "32",
-                          "--emit-out", str(out)], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "add --emit" in bad.stderr
+    # A usage error, refused before any search: the command line's own entry point, in-process.
+    from memplan.cli import main
+    assert main(["plan", f"hf:{folder}", "--seq-len", "32", "--emit-out", str(out)]) == 2
+    assert "add --emit" in capsys.readouterr().err
