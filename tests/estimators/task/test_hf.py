@@ -93,17 +93,24 @@ def _memplan(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-def test_the_command_line_reads_a_repo_id_from_the_local_hub_cache(tmp_path: Path) -> None:
+def test_the_command_line_reads_a_repo_id_from_the_local_hub_cache(tmp_path: Path, monkeypatch, capsys) -> None:
     cache = write_hub_cache(tmp_path / "hub", "acme/tiny-qwen", kind="qwen2")
     run = _memplan("estimate", "hf:acme/tiny-qwen", "--seq-len", "16", "-b", "2", "--json",
                    env={"HF_HUB_CACHE": str(cache)})
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["config"]["micro_batch_size"] == 2 and out["peak_allocated_bytes"] > 0
-    missing = _memplan("estimate", "hf:acme/not-cached", "--seq-len", "16", "-b", "2",
-                       env={"HF_HUB_CACHE": str(cache)})
-    assert missing.returncode == 2
-    assert "local Hub cache has no config" in missing.stderr and "hf download acme/not-cached" in missing.stderr
+    # The refusals, in-process (the command line's entry point, the same cache and offline mode:
+    # huggingface_hub read HF_HUB_CACHE when it was imported, so its constant is pointed there).
+    import huggingface_hub.constants
+
+    from memplan.cli import main
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert main(["estimate", "hf:acme/not-cached", "--seq-len", "16", "-b", "2"]) == 2
+    missing = capsys.readouterr().err
+    assert "local Hub cache has no config" in missing and "hf download acme/not-cached" in missing
     # fit trains a model file's data: an hf: source is pointed at memplan init.
-    fit = _memplan("fit", "hf:acme/tiny-qwen", "--vram", "1GB")
-    assert fit.returncode == 2 and "memplan init --from hf:acme/tiny-qwen" in fit.stderr
+    assert main(["fit", "hf:acme/tiny-qwen", "--vram", "1GB"]) == 2
+    assert "memplan init --from hf:acme/tiny-qwen" in capsys.readouterr().err
