@@ -213,7 +213,8 @@ def test_trainer_records_the_largest_batch_and_its_peak(tmp_path, text_task):
     from memplan import TrainOptions, train
     config = TrainConfig(micro_batch_size=8, grad_accum_steps=2)
     small = dataclasses.replace(text_task, train_data=lambda: Subset(text_task.dataset(), range(128)), _cache={})
-    result = train(small, config, TrainOptions(max_steps=8, out_dir=tmp_path, progress=False),
+    # No DataLoader worker processes (the batches are recorded in the training process).
+    result = train(small, config, TrainOptions(max_steps=8, out_dir=tmp_path, progress=False, num_workers=0),
                    memory_guard=MemoryGuard(budget_bytes=2**34))
     largest = result.summary["largest_batch"]
     assert largest["shapes"][0][0] == 8 and largest["peak_memory_bytes"] > 0
@@ -251,7 +252,10 @@ def test_length_grouped_order_pads_less_and_resumes_exactly(tmp_path, text_task)
     assert padded[True] < 0.8 * padded[False]
 
     config = TrainConfig(micro_batch_size=8, grad_accum_steps=2, length_grouped=True)
-    common = dict(schedule="constant", warmup_steps=0, seed=3, progress=False)
+    # No DataLoader worker processes: the order is the batch sampler's, which runs in the
+    # training process either way (and a worker forked from this test process, after the
+    # module's larger tests, costs seconds to start and stop).
+    common = dict(schedule="constant", warmup_steps=0, seed=3, progress=False, num_workers=0)
     train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "full", **common))
     train(small, config, TrainOptions(max_steps=3, out_dir=tmp_path / "part", **common))
     resumed = train(small, config, TrainOptions(max_steps=6, out_dir=tmp_path / "part", resume=True, **common))
