@@ -409,6 +409,11 @@ def test_loader_settings_reach_the_dataloader(tmp_path: Path) -> None:
     loader = trainer.data.train_loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (1, True, 3, False)
     assert trainer.step == 2
+    # The persistent workers started here stop here: freed by a later test's garbage collection
+    # instead, torch's shutdown of each waits out its 5 s join timeout.
+    for started in (loader, trainer.data.val_loader):
+        if started is not None and started._iterator is not None:
+            started._iterator._shutdown_workers()
     auto = Trainer(tiny_task(), TrainConfig(micro_batch_size=8), opts(tmp_path, "auto", pin_memory=True))
     auto._setup_data()
     assert auto.data.train_loader.pin_memory and not auto.data.train_loader.persistent_workers  # 0 workers for tensors
