@@ -284,6 +284,11 @@ def _sequence_region(model: nn.Module, plan: TpPlan, parents: list[str], owners:
     def in_pair(name: str) -> bool:
         return any(name == p or name.startswith(f"{p}.") for p in parents)
 
+    for name in parents:
+        if name in block_names:
+            raise ConfigError(
+                f"sequence parallelism: the block {name} holds its split linears itself, so no module of it takes the "
+                f"sequence to gather before them (its attention and MLP would need modules of their own); {why}")
     for name, style in plan.styles.items():
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         if block_of(name) is None or parent not in parents:

@@ -189,6 +189,18 @@ def test_the_configuration_counts_ranks_and_refuses_untested_mixes() -> None:
         TrainConfig(micro_batch_size=4, tp=0)
 
 
+class Flat(nn.Module):
+    """A block holding its projections itself, as some model codes write them."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
 def _local_shape(t: torch.Tensor) -> tuple[int, ...]:
     from torch.distributed.tensor import DTensor
 
@@ -239,6 +251,10 @@ def test_sequence_parallel_refuses_what_would_see_part_of_the_sequence() -> None
     with simulated_ranks(2), pytest.raises(
             ConfigError, match=r"layers\.0\.mlp_norm \(Conv1d\) would see 1/tp of the sequence between the split pairs"):
         apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2), sequence_parallel=True)
+    # A block that holds its projections itself has no module to gather the sequence at.
+    flat = nn.Sequential(*(Flat() for _ in range(2)))
+    with simulated_ranks(2), pytest.raises(ConfigError, match=r"the block 0 holds its split linears itself"):
+        apply_tp(flat, init_device_mesh("cpu", (2,)), resolve_tp_plan(flat, 2), sequence_parallel=True)
     # Nothing asks for sequence parallelism without tensor parallelism.
     with pytest.raises(ConfigError, match="sequence_parallel splits the sequence over the tensor-parallel ranks"):
         TrainConfig(micro_batch_size=4, sequence_parallel=True)
