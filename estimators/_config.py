@@ -84,6 +84,12 @@ class TrainConfig:
     ``1/tp`` of the sequence instead of all of it; each split pair gathers the sequence before
     its column-wise linears and reduce-scatters after its row-wise one, in place of the
     all-reduce (see ``runtime._tensor_parallel``)."""
+    dp_replicate: int = 1
+    """HSDP (``strategy='fsdp'``): the ``world_size`` FSDP2 ranks form ``dp_replicate`` groups,
+    each sharding the model over ``world_size / dp_replicate`` ranks (neighbours: one machine
+    when it holds that many), and the groups all-reduce their gradient shards. Each rank holds
+    ``dp_replicate`` times the states of plain FSDP2 over the same ranks, and gathers only
+    within its group."""
     nodes: int = 1
     """Machines the ``world_size`` processes are spread over, evenly (``world_size % nodes ==
     0``): collectives between nodes cross the network, which the step-time model prices."""
@@ -108,7 +114,7 @@ class TrainConfig:
     On a CPU device nothing moves (host memory is the device's)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes", "tp"):
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes", "tp", "dp_replicate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -144,6 +150,7 @@ class TrainConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         _check_tensor_parallel(self)
+        _check_hsdp(self)
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
@@ -155,6 +162,12 @@ class TrainConfig:
         """Are the parameters DTensor shards (FSDP2, tensor parallelism)? Then state dicts,
         checkpoints and evaluation go through ``torch.distributed``'s sharded paths."""
         return self.strategy == "fsdp" or self.tp > 1
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over by FSDP2 (``world_size``, or a group's under
+        HSDP); 1 without FSDP2."""
+        return self.world_size // self.dp_replicate if self.strategy == "fsdp" else 1
 
     @property
     def ranks(self) -> int:
@@ -186,6 +199,8 @@ class TrainConfig:
             del d["tp"]  # likewise
         if not self.sequence_parallel:
             del d["sequence_parallel"]  # likewise
+        if self.dp_replicate == 1:
+            del d["dp_replicate"]  # likewise
         return d
 
     @classmethod
@@ -206,7 +221,10 @@ class TrainConfig:
         if self.checkpoint_segments:
             parts.append(f"{self.checkpoint_segments} checkpoint segments"
                          + (f" ({_POLICY_WORDS[self.checkpoint_policy]})" if self.checkpoint_policy != "full" else ""))
-        if self.strategy != "single":
+        if self.dp_replicate > 1:
+            parts.append(f"hsdp {self.dp_replicate} x {self.shard_size}"
+                         + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
+        elif self.strategy != "single":
             parts.append(f"{self.strategy} x{self.world_size}"
                          + (f" x tp {self.tp}" if self.tp > 1 else "")
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
@@ -242,6 +260,24 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
     if config.optimizer_in_backward:
         raise ConfigError(
             f"optimizer_in_backward is not combined with tp {config.tp}; set tp=1 or optimizer_in_backward=False")
+
+
+def _check_hsdp(config: TrainConfig) -> None:
+    if config.dp_replicate == 1:
+        return
+    if config.strategy != "fsdp":
+        raise ConfigError(f"dp_replicate {config.dp_replicate} is HSDP, FSDP2's replicas of shard groups, but the "
+                          f"strategy is {config.strategy!r}; use strategy='fsdp' or dp_replicate=1")
+    if config.world_size % config.dp_replicate or config.world_size // config.dp_replicate < 2:
+        raise ConfigError(f"dp_replicate {config.dp_replicate} does not split world_size {config.world_size} into "
+                          "groups of 2 or more ranks; use a dp_replicate that divides it (with groups of 1, use ddp)")
+    # Not traced or trained together (yet): refused rather than run untested.
+    if config.tp > 1:
+        raise ConfigError(f"dp_replicate {config.dp_replicate} (HSDP) is not combined with tp {config.tp}; set "
+                          "dp_replicate=1 (FSDP2 x TP) or tp=1")
+    if config.cpu_offload:
+        raise ConfigError(f"cpu_offload is not combined with dp_replicate {config.dp_replicate} (HSDP); set "
+                          "dp_replicate=1 or cpu_offload=False")
 
 
 def _check_optimizer_in_backward(config: TrainConfig) -> None:

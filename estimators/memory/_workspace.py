@@ -176,7 +176,7 @@ def fit_key(config: TrainConfig) -> tuple[Any, ...]:
         return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.optimizer_in_backward)
     return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.strategy,
             config.world_size, min(config.grad_accum_steps, 2), config.cpu_offload, config.tp,
-            config.sequence_parallel)
+            config.sequence_parallel, config.dp_replicate)
 
 
 def reference_config(config: TrainConfig) -> TrainConfig | None:

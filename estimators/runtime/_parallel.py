@@ -148,10 +148,16 @@ def apply_ddp(model: nn.Module, *, device_ids: list[int] | None = None, gradient
 
 def device_meshes(config: TrainConfig, device_type: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
     """The data-parallel and tensor-parallel meshes of ``config`` (None where it has no such
-    axis; the data-parallel one only when tensor parallelism needs a 2-D mesh)."""
+    axis; the data-parallel one only when it is not the default 1-D mesh: under FSDP2 x TP, and
+    HSDP's 2-D ``(dp_replicate, dp_shard)`` mesh, which ``fully_shard`` shards over its last
+    dimension and replicates over its first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if config.dp_replicate > 1:
+        return init_device_mesh(device_type, (config.dp_replicate, config.shard_size),
+                                mesh_dim_names=("dp_replicate", "dp_shard")), None
     if config.tp == 1:
         return None, None
-    from torch.distributed.device_mesh import init_device_mesh
 
     if config.world_size == 1:
         return None, init_device_mesh(device_type, (config.tp,), mesh_dim_names=("tp",))
@@ -173,13 +179,13 @@ def parallelize(
     ``config.tp``; needs an initialised default process group for ``ddp``, ``fsdp`` and
     ``tp > 1``. ``device`` is the training device (FSDP2's mesh; with ``cpu_offload`` the model
     arrives on the CPU). ``tp_hook`` is the model file's ``tp_plan``."""
-    if config.tp > 1:
+    if config.tp > 1 or config.dp_replicate > 1:
         kind = torch.device(device).type if device is not None else next(
             (p.device.type for p in model.parameters()), "cpu")
         mesh, tp_mesh = device_meshes(config, kind)
-        assert tp_mesh is not None  # tp > 1 has a tp axis
-        apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder),
-                 sequence_parallel=config.sequence_parallel, finder=finder)
+        if tp_mesh is not None:
+            apply_tp(model, tp_mesh, resolve_tp_plan(model, config.tp, hook=tp_hook, finder=finder),
+                     sequence_parallel=config.sequence_parallel, finder=finder)
     if config.strategy == "single":
         return model
     if config.strategy == "ddp":

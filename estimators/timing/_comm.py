@@ -22,6 +22,10 @@ Overlap, as the engines schedule it:
   nothing left to hide behind: both are exposed; the rest overlaps compute, and whatever
   exceeds the pass's compute is exposed.
 
+HSDP (``TrainConfig.dp_replicate``) runs FSDP2's gathers and reduce-scatters within a group of
+``world_size / dp_replicate`` neighbouring ranks and all-reduces each unit's gradient shard
+across the groups after its reduce-scatter, overlapped as the reduce-scatters are.
+
 Tensor parallelism (``TrainConfig.tp``) communicates inside each block's forward and
 backward: its collectives are the trace's own ops (``_c10d_functional.*``, at the shard's
 sizes), priced one by one over the ``tp`` ranks of a node (:func:`tensor_parallel_comm`); the
@@ -131,17 +135,21 @@ def tensor_parallel_comm(names: list[str], bytes_moved: list[float], runs: list[
 
 def fsdp_comm(units: list[int] | tuple[int, ...], root: int, param_bytes: int, grad_bytes: int,
               forward_s: float, backward_s: float, config: TrainConfig,
-              link: tuple[float, float]) -> CommTime:
+              link: tuple[float, float], replicate_link: tuple[float, float] | None = None) -> CommTime:
     """One optimizer step of FSDP2: ``units`` are the blocks' parameter counts, ``root`` the
     root's; parameters are gathered in ``param_bytes`` per element, gradients reduced in
-    ``grad_bytes``."""
-    w = config.world_size
-    if w <= 1:
+    ``grad_bytes``. Under HSDP the gathers and reduce-scatters run within a shard group (on
+    ``link``) and each unit's gradient shard is then all-reduced across the ``dp_replicate``
+    groups (on ``replicate_link``), behind the next unit's backward as the scatters are."""
+    w = config.shard_size
+    if config.world_size <= 1:
         return CommTime(0.0, 0.0)
     gathers_fwd = [all_gather_s(n * param_bytes, w, link) for n in (root, *units) if n]
     # Backward re-gathers the blocks (resharded after forward), last block first.
     gathers_bwd = [all_gather_s(n * param_bytes, w, link) for n in reversed(units) if n]
-    scatters = [reduce_scatter_s(n * grad_bytes, w, link) for n in (*reversed(units), root) if n]
+    scatters = [reduce_scatter_s(n * grad_bytes, w, link)
+                + all_reduce_s(n * grad_bytes / w, config.dp_replicate, replicate_link or link)
+                for n in (*reversed(units), root) if n]
     micro = config.grad_accum_steps
     # Every micro-batch reduce-scatters its gradients (``_parallel.gradient_sync``: FSDP2
     # accumulates sharded gradients, never unsharded ones).

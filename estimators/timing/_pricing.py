@@ -112,6 +112,13 @@ def _comm_time(config: TrainConfig, p: Prepared, facts: ModelFacts, spec: GPUSpe
     if config.strategy == "single" or config.world_size == 1:
         return None
     link = ring_bandwidth(spec, config.nodes)
+    replicate_link = None
+    if config.dp_replicate > 1:
+        # HSDP's shard groups are neighbouring ranks: within a node unless a group is larger
+        # than one; its replica groups take one rank of each, across nodes when there are several.
+        per_node = config.world_size // config.nodes
+        link = ring_bandwidth(spec, 2 if config.shard_size > per_node else 1)
+        replicate_link = ring_bandwidth(spec, config.nodes)
     forward_s = _pass_time(p, "forward", rates)
     backward_s = _pass_time(p, "backward", rates)
     low = weight_dtype(config.precision) is not None
@@ -122,7 +129,7 @@ def _comm_time(config: TrainConfig, p: Prepared, facts: ModelFacts, spec: GPUSpe
     param_bytes = 2 if config.precision != "fp32" else 4
     blocks = tuple(n // config.tp for n in facts.units.block_numels)  # a rank's unit: 1/tp of it
     return fsdp_comm(blocks, facts.units.root_numel, param_bytes, 2 if low else 4,
-                     forward_s, backward_s, config, link)
+                     forward_s, backward_s, config, link, replicate_link)
 
 
 def _pass_time(p: Prepared, kind: str, rates: DeviceRates) -> float:

@@ -239,7 +239,7 @@ def parallelize_simulated(
     """
     if config.strategy == "single" and config.tp == 1:
         return model
-    mesh, tp_mesh = device_meshes(config, "cpu")
+    mesh, tp_mesh = device_meshes(config, "cpu")  # HSDP's 2-D data-parallel mesh too
     if config.strategy == "fsdp" and mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 

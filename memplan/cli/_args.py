@@ -85,6 +85,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: each of the tp devices holds 1/tp of the sequence between the split linears "
                    "(the norms, the residual stream, the inputs checkpointed blocks keep)")
+    g.add_argument("--dp-replicate", default="1",
+                   help="HSDP with --strategy fsdp: the ranks form this many groups, each sharding the model over "
+                   "ranks / N of them, and all-reduce their gradient shards across the groups (default 1: FSDP2)")
     g.add_argument("--cpu-offload", action="store_true",
                    help="FSDP2's CPU offload: parameters, gradients and optimizer state in host memory "
                    "(the strategy defaults to fsdp)")
@@ -121,6 +124,13 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
     if args.cpu_offload and strategy != "fsdp":
         raise ConfigError(f"--cpu-offload is FSDP2's offload, but --strategy is {strategy}; use --strategy fsdp "
                           "(one device offloads too)")
+    dp_replicate = parse_count(getattr(args, "dp_replicate", "1"), what="--dp-replicate")
+    if dp_replicate > 1 and strategy != "fsdp":
+        raise ConfigError(f"--dp-replicate {dp_replicate} is HSDP, FSDP2's replicated shard groups, but --strategy is "
+                          f"{strategy}; add --strategy fsdp")
+    if dp_replicate > 1 and (world % dp_replicate or world // dp_replicate < 2):
+        raise ConfigError(f"--dp-replicate {dp_replicate} does not split the {world} ranks into groups of 2 or more; "
+                          "use a --dp-replicate that divides --gpus x --nodes into such groups")
     sequence_parallel = bool(getattr(args, "sequence_parallel", False))
     if sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel devices; add --tp N "
@@ -139,6 +149,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         nodes=nodes,
         tp=tp,
         sequence_parallel=sequence_parallel,
+        dp_replicate=dp_replicate,
         cpu_offload=args.cpu_offload,
         offload_activations=args.offload_activations,
         optimizer_in_backward=args.optimizer_in_backward,

@@ -50,6 +50,10 @@ def layout(plan: Plan) -> Layout:
         raise ConfigError(
             f"the plan splits the model over tp {c.tp} (tensor parallelism: {c.describe()}), which this export "
             f"cannot express; train it with memplan train MODEL.py --plan plan.json --nproc {c.ranks}")
+    if c.dp_replicate > 1:
+        raise ConfigError(
+            f"the plan shards the model within groups of {c.shard_size} ranks (HSDP: {c.describe()}), which this "
+            f"export cannot express; train it with memplan train MODEL.py --plan plan.json --nproc {c.ranks}")
     return Layout(
         micro_batch=c.micro_batch_size, accumulation=c.grad_accum_steps, precision=c.precision,
         checkpoint_segments=c.checkpoint_segments, checkpoint_policy=c.checkpoint_policy, strategy=c.strategy,

@@ -105,8 +105,10 @@ def contrast(space: SearchSpace, config: TrainConfig) -> TrainConfig | None:
     segments = other(space.checkpoint_segments, config.checkpoint_segments, prefer=0)
     keys = [layout.key for layout in space.layouts]
     current = next((layout.key for layout in space.layouts
-                    if (layout.strategy, layout.world_size, layout.nodes, layout.tp, layout.sequence_parallel)
-                    == (config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel)),
+                    if (layout.strategy, layout.world_size, layout.nodes, layout.tp, layout.sequence_parallel,
+                        layout.dp_replicate)
+                    == (config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
+                        config.dp_replicate)),
                    keys[0])
     layout = other(tuple(keys), current)
     candidate = space.config(micro, precision, segments, layout)

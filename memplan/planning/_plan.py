@@ -320,6 +320,7 @@ class Plan:
                       and e.config.strategy == current.strategy and e.config.world_size == current.world_size
                       and e.config.tp == current.tp
                       and e.config.sequence_parallel == current.sequence_parallel
+                      and e.config.dp_replicate == current.dp_replicate
                       and e.config.length_grouped == current.length_grouped
                       # The optimizer and the weights' dtype are not switched in a running process.
                       and e.config.optimizer_in_backward == current.optimizer_in_backward

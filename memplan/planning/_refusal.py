@@ -60,8 +60,9 @@ class StateFloor:
         # The state follows the weights' dtype (fp32 built, bf16 trained).
         total = self.weights[low] + grads + (self.optimizer // 2 if low else self.optimizer)
         # Tensor parallelism splits the block linears over its ranks (the rest is replicated):
-        # at most 1/tp of the states per rank, 1/ranks under FSDP2 too -- a bound.
-        return total // (config.ranks if config.strategy == "fsdp" else config.tp)
+        # at most 1/tp of the states per rank, 1/ranks under FSDP2 too (a shard group's
+        # under HSDP) -- a bound.
+        return total // (config.shard_size * config.tp)
 
     def device(self, config: TrainConfig) -> int:
         if config.cpu_offload:
@@ -195,7 +196,7 @@ def refuse_from_lower_bound(
             f"need {format_size(min(short_of_host))} of host memory, more than the "
             f"{format_size(host_limit or 0)} allowed)",
         )
-    shards = best.world_size if best.strategy == "fsdp" else 1
+    shards = best.shard_size
     devices = max(2, 2 * shards)
     hints.append(f"FSDP over {devices} devices (--gpus {devices})")
     hints.append("a smaller model, or frozen parts (no gradients)")
@@ -208,7 +209,7 @@ def refuse_from_lower_bound(
         )
     else:
         where = (
-            f" per device over {best.world_size} FSDP2 ranks" if best.strategy == "fsdp" and best.world_size > 1 else ""
+            f" per device over {best.shard_size} FSDP2 ranks" if best.shard_size > 1 else ""
         )
         what = (
             f"{task.name}'s {floor.params:,} parameters, their gradients"

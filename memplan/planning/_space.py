@@ -61,6 +61,8 @@ class Layout:
     nodes: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    dp_replicate: int = 1
+    """HSDP's replica groups (``strategy='fsdp'``); 1: plain FSDP2."""
 
     @property
     def ranks(self) -> int:
@@ -69,8 +71,10 @@ class Layout:
     @property
     def key(self) -> str:
         """The layout's name in the Optuna study ("single", "ddp x8", "fsdp x16 on 2 nodes",
-        "tp 8", "fsdp x4 x tp 2 sp": "sp" for sequence parallel)."""
+        "tp 8", "fsdp x4 x tp 2 sp": "sp" for sequence parallel; "hsdp 2 x 8 on 2 nodes")."""
         nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        if self.dp_replicate > 1:
+            return f"hsdp {self.dp_replicate} x {self.world_size // self.dp_replicate}{nodes}"
         tp = f"tp {self.tp}" + (" sp" if self.sequence_parallel else "")
         if self.strategy == "single":
             return "single" if self.tp == 1 else f"{tp}{nodes}"
@@ -95,11 +99,11 @@ class Technique:
 
 class CpuOffload(Technique):
     """FSDP2's CPU offload: on one device a world of one FSDP2 rank, on FSDP2 layouts the
-    offload policy added; DDP and tensor-parallel layouts do not offload (the configuration
-    stays as it is)."""
+    offload policy added; DDP, HSDP and tensor-parallel layouts do not offload (the
+    configuration stays as it is)."""
 
     def apply(self, config: TrainConfig) -> TrainConfig:
-        if config.strategy == "ddp" or config.optimizer_in_backward or config.tp > 1:
+        if config.strategy == "ddp" or config.optimizer_in_backward or config.tp > 1 or config.dp_replicate > 1:
             return config
         return config.replace(strategy="fsdp", cpu_offload=True)
 
@@ -164,6 +168,7 @@ class SearchSpace:
             nodes=layout.nodes,
             tp=layout.tp,
             sequence_parallel=layout.sequence_parallel,
+            dp_replicate=layout.dp_replicate,
             length_grouped=grouped,
         )
         return (self.technique(technique) if isinstance(technique, str) else technique).apply(config)
@@ -333,17 +338,26 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None 
     eight GPUs uses the eight (fewer would only be slower at the same global batch), and the
     two engines trade memory (FSDP2 shards parameters, gradients and optimizer state)
     against communication (DDP all-reduces gradients once, FSDP2 gathers parameters twice).
+    Several nodes of several devices: HSDP too (``hsdp``), FSDP2 within each node and its
+    gradient shards all-reduced across them, which gathers over the node's link only.
     """
     for name, value in (("--gpus", gpus), ("--nodes", nodes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
     world = gpus * nodes
-    wanted = strategies or (("single",) if world == 1 else ("ddp", "fsdp"))
+    wanted = strategies or (("single",) if world == 1 else ("ddp", "fsdp", "hsdp") if nodes > 1 and gpus > 1
+                            else ("ddp", "fsdp"))
     out: list[Layout] = []
     for name in wanted:
+        if name == "hsdp":
+            if nodes < 2 or gpus < 2:
+                raise ConfigError(f"strategy hsdp shards within each node and replicates across nodes; it needs "
+                                  f"--nodes 2+ of --gpus 2+, got --gpus {gpus} --nodes {nodes}; use fsdp")
+            out.append(Layout("fsdp", world, nodes, dp_replicate=nodes))
+            continue
         strategy = _STRATEGIES.get(name)
         if strategy is None:
-            raise ConfigError(f"unknown strategy {name!r}; use single, ddp or fsdp")
+            raise ConfigError(f"unknown strategy {name!r}; use single, ddp, fsdp or hsdp")
         if strategy == "single":
             if world > 1:
                 raise ConfigError(f"strategy single runs on one device, but {world} were asked for; use ddp or fsdp")
@@ -355,7 +369,8 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None 
 
 def layout_key(config: TrainConfig) -> str:
     """The study's name for the layout ``config`` runs on."""
-    return Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel).key
+    return Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
+                  config.dp_replicate).key
 
 
 def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:
@@ -368,7 +383,7 @@ def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) ->
     stream's activations. ``model`` is built on meta."""
     from estimators.runtime._tensor_parallel import resolve_tp_plan, sequence_parallel_refusal
 
-    spread = [layout for layout in space.layouts if layout.ranks > 1 and layout.tp == 1]
+    spread = [layout for layout in space.layouts if layout.ranks > 1 and layout.tp == 1 and layout.dp_replicate == 1]
     if not spread:
         return (), None
     world, nodes = spread[0].ranks, spread[0].nodes

@@ -112,7 +112,7 @@ def distributed_ladder(ladder: Sequence[Any] | None, config: TrainConfig) -> lis
     format it wrote)."""
     return [c for c in ladder_configs(ladder, config)
             if c.strategy == config.strategy and c.world_size == config.world_size and c.tp == config.tp
-            and c.sequence_parallel == config.sequence_parallel]
+            and c.sequence_parallel == config.sequence_parallel and c.dp_replicate == config.dp_replicate]
 
 
 def launch_training(

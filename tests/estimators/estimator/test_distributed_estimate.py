@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -128,6 +129,39 @@ def test_communication_is_priced_and_crosses_nodes(lm_path):
     link = (INTER_NODE_BYTES_PER_S, 0.0)
     assert all_reduce_s(1e9, 8, link) == pytest.approx(2 * all_gather_s(1e9, 8, link))
     assert all_gather_s(1e9, 1, link) == 0.0
+
+
+def test_hsdp_gathers_within_a_node_and_reduces_across(lm_path):
+    # 2 nodes of 8 H100s: FSDP2 over all 16 gathers and reduce-scatters over the network;
+    # HSDP 2 x 8 over NVLink, plus an all-reduce of an eighth of the gradients across nodes.
+    estimator = Estimator(load_task(lm_path), gpu="H100-80GB")
+    config = TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=16, nodes=2, precision="bf16-mixed")
+    fsdp = estimator.estimate(config, exact=True)
+    hsdp = estimator.estimate(config.replace(dp_replicate=2), exact=True)
+
+    def comm_ms(e):
+        return float(re.findall(r"([\d.]+) ms", next(n for n in e.notes if n.startswith("communication")))[0])
+
+    assert comm_ms(hsdp) < comm_ms(fsdp)
+    # A rank holds the states of FSDP2 over its group of 8.
+    eight = estimator.estimate(config.replace(world_size=8, nodes=1), exact=True)
+    assert hsdp.breakdown["params"] == eight.breakdown["params"] > fsdp.breakdown["params"]
+    # Beyond one node's FSDP2, only the all-reduces of the gradient shards across the nodes.
+    assert comm_ms(eight) < comm_ms(hsdp)
+
+
+def test_hsdp_field_validates_and_round_trips():
+    config = TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=16, nodes=2, dp_replicate=2)
+    assert TrainConfig.from_dict(config.to_dict()) == config and config.shard_size == 8 and config.ranks == 16
+    assert "dp_replicate" not in config.replace(dp_replicate=1).to_dict()
+    with pytest.raises(ConfigError, match="dp_replicate 2 is HSDP, FSDP2's replicas of shard groups, but the strategy"):
+        TrainConfig(micro_batch_size=2, strategy="ddp", world_size=4, dp_replicate=2)
+    with pytest.raises(ConfigError, match="does not split world_size 4 into groups of 2 or more"):
+        TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=4, dp_replicate=4)
+    with pytest.raises(ConfigError, match="not combined with tp 2"):
+        TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=4, dp_replicate=2, tp=2)
+    with pytest.raises(ConfigError, match="cpu_offload is not combined with dp_replicate 2"):
+        TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=4, dp_replicate=2, cpu_offload=True)
 
 
 def test_nodes_field_validates_and_round_trips():

@@ -1,5 +1,6 @@
-"""Per-rank memory of tensor parallelism (alone and under FSDP2): the one-process fake trace
-against real gloo ranks, and fake traces at degrees no test machine runs."""
+"""Per-rank memory of the 2-D layouts -- tensor parallelism (alone and under FSDP2) and HSDP --:
+the one-process fake trace against real gloo ranks, and fake traces at degrees no test machine
+runs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ FSDP_TP = [
 ]
 
 
+# HSDP: 2 groups of 2 FSDP2 ranks, on the same 4 processes as FSDP2 x TP.
+HSDP = [
+    TrainConfig(micro_batch_size=16, strategy="fsdp", world_size=4, dp_replicate=2),
+    TrainConfig(micro_batch_size=16, strategy="fsdp", world_size=4, dp_replicate=2, precision="bf16-mixed",
+                grad_accum_steps=3, checkpoint_segments=2),
+]
+
+
 @pytest.fixture(scope="module")
 def lm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tp") / "lm.py"
@@ -42,7 +51,7 @@ def estimator(lm_path: str) -> Estimator:
 def measured(lm_path: str):
     # One set of processes per number of ranks: spawning costs more than the steps.
     return {**dict(zip(TP, measure_distributed_peaks(lm_path, TP))),
-            **dict(zip(FSDP_TP, measure_distributed_peaks(lm_path, FSDP_TP)))}
+            **dict(zip(FSDP_TP + HSDP, measure_distributed_peaks(lm_path, FSDP_TP + HSDP)))}
 
 
 def _activation_bytes(config: TrainConfig) -> int:
@@ -76,6 +85,25 @@ def test_fsdp_and_tensor_parallel_rank_peak_matches_real_gloo_ranks(config, esti
     # its reduce-scatters are working on and one unit's gathered parameters and gradients.
     model = estimator.task.build_model()
     in_flight = 4 * sum(p.numel() for p in model.parameters()) + 2 * _activation_bytes(config)
+    unit = max(sum(p.numel() for p in b.parameters()) for b in find_block_stack(model))
+    in_flight += unit * (4 + (2 if config.precision != "fp32" else 4))
+    for m in measured[config]:
+        assert est.peak_allocated_bytes * 0.99 <= m.peak_bytes <= est.peak_allocated_bytes + in_flight
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("config", HSDP, ids=[c.describe() for c in HSDP])
+def test_hsdp_rank_peak_matches_real_gloo_ranks(config, estimator, measured):
+    est = estimator.estimate(config, exact=True)
+    assert est.method == "traced"
+    # A rank holds what FSDP2 over its group of 2 holds (the states are halved, not quartered)...
+    plain = estimator.estimate(config.replace(world_size=2, dp_replicate=1), exact=True)
+    assert est.breakdown["params"] == plain.breakdown["params"]
+    assert est.breakdown["optimizer"] == plain.breakdown["optimizer"]
+    # ... and, on gloo, what FSDP2 may hold in flight (test_distributed_estimate): one fp32 copy
+    # of the gradients, one unit's gathered parameters and gradients.
+    model = estimator.task.build_model()
+    in_flight = 4 * sum(p.numel() for p in model.parameters())
     unit = max(sum(p.numel() for p in b.parameters()) for b in find_block_stack(model))
     in_flight += unit * (4 + (2 if config.precision != "fp32" else 4))
     for m in measured[config]:

@@ -41,7 +41,9 @@ def _estimate(capsys: pytest.CaptureFixture[str], path: str, *argv: str) -> tupl
      TrainConfig(micro_batch_size=2, grad_accum_steps=3, strategy="ddp", world_size=2, checkpoint_segments=1,
                  checkpoint_policy="selective")),
     (["-b", "4", "--length-grouped"], TrainConfig(micro_batch_size=4, length_grouped=True)),
-], ids=["fsdp-over-nodes-op-policy", "cpu-offload", "ddp-selective", "length-grouped"])
+    (["-b", "4", "--gpus", "2", "--nodes", "2", "--strategy", "fsdp", "--dp-replicate", "2"],
+     TrainConfig(micro_batch_size=4, strategy="fsdp", world_size=4, nodes=2, dp_replicate=2)),
+], ids=["fsdp-over-nodes-op-policy", "cpu-offload", "ddp-selective", "length-grouped", "hsdp"])
 def test_the_flags_build_the_configuration_and_estimate_it(argv, config, write_model, capsys) -> None:
     path = write_model(MODEL)
     code, data, err = _estimate(capsys, path, "--gpu", "A100-80GB", *argv)
@@ -64,6 +66,8 @@ def test_the_flags_build_the_configuration_and_estimate_it(argv, config, write_m
     # The split is the model's: this one has no attention or MLP linears to split.
     (["--tp", "2", "--gpus", "2"], "tensor parallelism found nothing to split"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the tensor-parallel devices; add --tp"),
+    (["--dp-replicate", "2", "--gpus", "4", "--strategy", "ddp"], "--dp-replicate 2 is HSDP"),
+    (["--dp-replicate", "3", "--gpus", "4", "--strategy", "fsdp"], "--dp-replicate 3 does not split the 4 ranks"),
     # The flag reaches the step's checks: the default step clips by the global norm.
     (["--optimizer-in-backward"], "optimizer_in_backward cannot clip by the global gradient norm"),
 ])

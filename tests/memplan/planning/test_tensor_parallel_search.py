@@ -103,3 +103,15 @@ def test_tensor_parallelism_is_planned_when_data_parallelism_alone_does_not_fit(
     with pytest.raises(ConfigError, match=r"cannot express; train it with memplan train MODEL\.py --plan plan\.json "
                                           r"--nproc 2"):
         layout(plan)
+
+
+def test_several_nodes_search_hsdp_beside_ddp_and_fsdp() -> None:
+    layouts = layouts_for(4, 2)
+    assert [layout.key for layout in layouts] == ["ddp x8 on 2 nodes", "fsdp x8 on 2 nodes", "hsdp 2 x 4 on 2 nodes"]
+    config = _space(4, 2).config(2, "fp32", 0, layouts[2])
+    assert (config.strategy, config.world_size, config.dp_replicate, config.shard_size) == ("fsdp", 8, 2, 4)
+    assert config.describe().endswith("fp32, hsdp 2 x 4 over 2 nodes") and layout_key(config) == layouts[2].key
+    # One node, or one device per node: nothing to replicate across or to shard within.
+    assert [layout.key for layout in layouts_for(8)] == ["ddp x8", "fsdp x8"]
+    with pytest.raises(ConfigError, match="strategy hsdp shards within each node and replicates across nodes"):
+        layouts_for(8, 1, ["hsdp"])

@@ -1,5 +1,5 @@
-"""Tensor parallelism trained for real: 2 gloo processes (tp 2, and with sequence parallelism) and 4
-(FSDP2 x 2 by tp 2) match a
+"""The 2-D layouts trained for real: 2 gloo processes (tp 2, and with sequence parallelism) and 4
+(FSDP2 x 2 by tp 2; HSDP, 2 groups of 2) match a
 single-process run of the same global batch step by step, write full weights, and resume from
 their sharded checkpoint."""
 
@@ -49,7 +49,9 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     # The norms' weights get partial gradients from their part of the sequence, summed over
     # the tp ranks at each of the two micro-batches' accumulation.
     TrainConfig(micro_batch_size=4, grad_accum_steps=2, tp=2, sequence_parallel=True),
-], ids=["tp 2", "fsdp 2 x tp 2", "tp 2 sequence parallel"])
+    # HSDP: 2 groups of 2 FSDP2 ranks, 4 data-parallel replicas of 2 items each.
+    TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=4, dp_replicate=2),
+], ids=["tp 2", "fsdp 2 x tp 2", "tp 2 sequence parallel", "hsdp 2 x 2"])
 def test_tensor_parallel_matches_one_process(single: tuple[Path, Path], tmp_path: Path, config: TrainConfig) -> None:
     path, reference = single
     out = tmp_path / "run"
