@@ -148,6 +148,12 @@ class Trainer:
         t0 = time.perf_counter()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._setup_data()
+        try:
+            return self._run_with_data(t0)
+        finally:
+            self.data.close()
+
+    def _run_with_data(self, t0: float) -> TrainResult:
         guard = self.memory_guard if self.memory_guard is not None else contextlib.nullcontext()
         with guard, self.signals.caught():
             self.phase.set("setup")
