@@ -137,12 +137,64 @@ class GQABlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+class Attention(nn.Module):
+    """torchtitan's Llama 3 attention (``wq``/``wk``/``wv``/``wo``), the same math as GQABlock's."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.wq = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, width, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:t], sin[:t]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        groups = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(width, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, width, bias=False)
+        self.w3 = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    """torchtitan's ``TransformerBlock``: attention and feed-forward as modules of their own,
+    which tensor and sequence parallelism split at (GQABlock holds its linears itself)."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(width), RMSNorm(width)
+        self.attention = Attention(width, heads, kv_heads)
+        self.feed_forward = FeedForward(width, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
 class Llama3(nn.Module):
     def __init__(self, layers: int, width: int, heads: int, kv_heads: int, hidden: int, vocab: int,
-                 tied: bool, theta: float, context: int) -> None:
+                 tied: bool, theta: float, context: int, block: type[nn.Module] = GQABlock) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(GQABlock(width, heads, kv_heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(block(width, heads, kv_heads, hidden) for _ in range(layers))
         self.norm = RMSNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         if tied:
@@ -162,9 +214,11 @@ class Llama3(nn.Module):
         return self.head(self.norm(x))
 
 
-def llama3_task(name: str = "1b", seq: int = 2048, *, samples: int = 64) -> Task:
+def llama3_task(name: str = "1b", seq: int = 2048, *, samples: int = 64, torchtitan: bool = False) -> Task:
     """A Llama 3 model of ``LLAMA3[name]``'s dimensions trained on ``samples`` sequences of
-    ``seq`` tokens (the rotary tables cover ``seq``)."""
+    ``seq`` tokens (the rotary tables cover ``seq``); ``torchtitan``: its blocks laid out as
+    torchtitan's (attention and feed-forward modules)."""
+    block = TitanBlock if torchtitan else GQABlock
     layers, width, heads, kv_heads, hidden, vocab, tied, theta, _ = LLAMA3[name]
 
     def train_data() -> TensorDataset:
@@ -173,5 +227,5 @@ def llama3_task(name: str = "1b", seq: int = 2048, *, samples: int = 64) -> Task
         return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
     return Task(name=f"llama3_{name}_s{seq}",
-                build_model=lambda: Llama3(layers, width, heads, kv_heads, hidden, vocab, tied, theta, seq),
+                build_model=lambda: Llama3(layers, width, heads, kv_heads, hidden, vocab, tied, theta, seq, block),
                 train_data=train_data, checkpoint_blocks=lambda m: list(m.layers))

@@ -1,4 +1,4 @@
-"""Per-rank memory of tensor parallelism: the one-process fake trace against real gloo ranks.
+"""Per-rank memory of tensor parallelism (and HSDP): the one-process fake trace against real gloo ranks.
 
 The test suite's attention LM (``tests/helpers/lm.py``: 3 Llama-shaped blocks, 64 wide, 4
 heads, 64 tokens) is estimated at tp 2 and at FSDP2 x 2 by tp 2, each plain and sequence
@@ -34,9 +34,12 @@ GROUPS = [
     [TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=sp, **kw) for sp in (False, True)
      for kw in ({}, {"checkpoint_segments": 2}, {"precision": "bf16-mixed", "grad_accum_steps": 3,
                                                   "checkpoint_segments": 2})],
-    [TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2, sequence_parallel=sp, **kw)
-     for sp in (False, True) for kw in ({}, {"precision": "bf16-mixed", "grad_accum_steps": 3,
-                                             "checkpoint_segments": 2})],
+    [*(TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2, sequence_parallel=sp, **kw)
+       for sp in (False, True) for kw in ({}, {"precision": "bf16-mixed", "grad_accum_steps": 3,
+                                               "checkpoint_segments": 2})),
+     # HSDP, 2 groups of 2 FSDP2 ranks, on the same 4 processes.
+     *(TrainConfig(micro_batch_size=16, strategy="fsdp", world_size=4, dp_replicate=2, **kw)
+       for kw in ({}, {"precision": "bf16-mixed", "grad_accum_steps": 3, "checkpoint_segments": 2}))],
 ]
 
 
@@ -56,7 +59,7 @@ def main() -> None:
                 ratios = " / ".join(f"{m.peak_bytes / e.peak_allocated_bytes:.4f}" for m in ranks)
                 rows.append(f"| {config.describe()} | {e.method} | {e.peak_allocated_bytes:,} | "
                             f"{' / '.join(f'{m.peak_bytes:,}' for m in ranks)} | {ratios} |")
-    lines = ["# Tensor parallelism: per-rank peak, fake trace vs real gloo ranks", "", f"Command: `{COMMAND}`", "",
+    lines = ["# Tensor parallelism and HSDP: per-rank peak, fake trace vs real gloo ranks", "", f"Command: `{COMMAND}`", "",
              f"- machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
              f"run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "- the measurement leaves out gloo's scratch (allocated on its worker threads or inside the process "
