@@ -142,3 +142,17 @@ def test_plan_emit_prints_the_settings_and_the_caveats_on_stderr(tmp_path: Path,
     from memplan.cli import main
     assert main(["plan", f"hf:{folder}", "--seq-len", "32", "--emit-out", str(out)]) == 2
     assert "add --emit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    (TrainConfig(micro_batch_size=2, grad_accum_steps=1, strategy="fsdp", world_size=4, dp_replicate=2),
+     "within groups of 2 ranks (HSDP"),
+    (TrainConfig(micro_batch_size=8, tp=2, sequence_parallel=True), "splits the model over tp 2"),
+])
+def test_a_layout_the_tools_cannot_express_is_refused_with_the_way_to_train_it(config: TrainConfig, said: str) -> None:
+    plan = plan_of(config, global_batch=config.global_batch)
+    for tool in TOOLS:
+        with pytest.raises(ConfigError, match=r"train it with memplan train MODEL\.py --plan plan\.json "
+                                              rf"--nproc {config.ranks}") as info:
+            emit(plan, tool)
+        assert said in str(info.value) and "\n" not in str(info.value)
