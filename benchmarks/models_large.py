@@ -102,6 +102,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotary_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                groups: int) -> torch.Tensor:
+    """Rotary positions on q and k, k and v repeated for each group of query heads, causal
+    attention: ``(b, heads, t, head_dim)``."""
+    t = q.shape[2]
+    cos, sin = cos[:t], sin[:t]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class GQABlock(nn.Module):
     """One Llama 3 decoder layer: rotary positions on q and k, ``kv_heads`` key/value heads
     shared by groups of query heads (repeated before attention, as Hugging Face's and
@@ -125,13 +138,7 @@ class GQABlock(nn.Module):
         q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:t], sin[:t]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        groups = self.heads // self.kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = _rotary_gqa(q, k, v, cos, sin, self.heads // self.kv_heads)
         x = x + self.out(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -153,13 +160,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:t], sin[:t]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        groups = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = _rotary_gqa(q, k, v, cos, sin, self.n_heads // self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
