@@ -305,13 +305,17 @@ def _sequence_region(model: nn.Module, plan: TpPlan, parents: list[str], owners:
     return blocks, stream
 
 
-def _hidden_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int | str | None:
-    """Where a block's (or a pair's) hidden states are among its arguments: the first
-    positional tensor, else the first keyword named like them."""
+def _hidden_of(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[int | str, torch.Tensor] | None:
+    """Where a block's (or a pair's) hidden states are among its arguments, and they: the
+    first positional tensor, else the first keyword named like them."""
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            return i
-    return next((k for k in _HIDDEN_NAMES if isinstance(kwargs.get(k), torch.Tensor)), None)
+            return i, a
+    for k in _HIDDEN_NAMES:
+        value = kwargs.get(k)
+        if isinstance(value, torch.Tensor):
+            return k, value
+    return None
 
 
 def _with_hidden(args: tuple[object, ...], kwargs: dict[str, object], where: int | str, value: object
@@ -329,11 +333,10 @@ def _gathered_sequence(mesh: DeviceMesh) -> Callable[..., tuple[tuple[object, ..
 
     def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
              ) -> tuple[tuple[object, ...], dict[str, object]] | None:
-        where = _hidden_of(args, kwargs)
-        if where is None:
+        found = _hidden_of(args, kwargs)
+        if found is None:
             return None
-        hidden = args[where] if isinstance(where, int) else kwargs[where]
-        assert isinstance(hidden, torch.Tensor)
+        where, hidden = found
         if isinstance(hidden, DTensor):
             return None
         full = DTensor.from_local(hidden, mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
@@ -355,12 +358,11 @@ def _shard_the_stream(blocks: list[nn.Module], mesh: DeviceMesh) -> None:
     def enter(index: int) -> Callable[..., tuple[tuple[object, ...], dict[str, object]] | None]:
         def hook(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
                  ) -> tuple[tuple[object, ...], dict[str, object]] | None:
-            where = _hidden_of(args, kwargs)
-            if where is None:
+            found = _hidden_of(args, kwargs)
+            if found is None:
                 raise ConfigError("sequence parallelism: a block of the block stack was called without a tensor "
                                   "of hidden states; use sequence_parallel=False")
-            hidden = args[where] if isinstance(where, int) else kwargs[where]
-            assert isinstance(hidden, torch.Tensor)
+            where, hidden = found
             # (batch, features) has no sequence: sharding its features would give a norm
             # between the pairs half of what it normalises over.
             if hidden.dim() < 3:
