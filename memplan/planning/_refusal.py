@@ -234,7 +234,10 @@ def no_fit(
     *,
     measured: bool = False,
     host_limit: int | None = None,
+    host_needed: int | None = None,
 ) -> NoFeasiblePlanError:
+    """``host_needed``: the least host memory an offloaded configuration that was set aside
+    for the host's limit needs (the refusal names it as the first thing to try)."""
     if not estimates:
         return NoFeasiblePlanError(
             f"nothing fits in {format_size(budget)} (keeping {format_size(budget - limit)} free): no configuration "
@@ -254,6 +257,9 @@ def no_fit(
             f"; and {format_size(nearest.host_bytes)} of host memory, more than the {format_size(host_limit)} allowed"
         )
     hints = [_more_memory_hint(need, budget, limit, estimator)]
+    if host_needed is not None and host_limit is not None:
+        hints.insert(0, f"--host-memory {math.ceil(host_needed / 1e9)}GB or more (offloaded, the states need "
+                        f"{format_size(host_needed)} of host memory, more than the {format_size(host_limit)} allowed)")
     if nearest.config.strategy == "fsdp":
         hints.append(f"FSDP over more devices (--gpus {2 * nearest.config.world_size})")
     else:

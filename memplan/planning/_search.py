@@ -281,7 +281,12 @@ def search(
     if not feasible:
         if not estimates:  # every configuration was known not to fit without a trace
             refuse_from_lower_bound(task, floor, wider or space, budget, limit, estimator, host_limit)
-        raise no_fit(estimates, budget, limit, estimator, host_limit=host_limit)
+        # Offloaded configurations set aside untraced for the host's limit alone: the refusal
+        # says how much host memory would let them be tried.
+        host_short = [floor.host(c) for c in objective.pruned if c.cpu_offload and host_limit is not None
+                      and floor.device(c) <= limit and floor.host(c) > host_limit]
+        raise no_fit(estimates, budget, limit, estimator, host_limit=host_limit,
+                     host_needed=min(host_short) if host_short else None)
     entries = rank_predicted(feasible)
     tried = len(estimates) + len(failed)  # before the probes add the configurations that raised
     searched = wider or space
@@ -389,6 +394,7 @@ def _run_study(
     mirrored, exhaustive = open_study(
         task, estimator, budget=budget, margin=margin, space=space, trials=trials, seed=seed, storage=storage,
         shared=shared, study_name=study_name, survivors=len(survivors), enumerate_limit=enumerate_limit,
+        host_limit=host_limit,
     )
     objective.enumerated = exhaustive
     if isinstance(mirrored, SharedStudy):

@@ -141,11 +141,13 @@ class MirroredStudy:
         self._last = time.monotonic()
 
 
-def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace) -> str:
-    return f"memplan-{task.name}-{_study_key(task, estimator, budget, margin, space)[:12]}"
+def _study_name(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace,
+                host_limit: int | None = None) -> str:
+    return f"memplan-{task.name}-{_study_key(task, estimator, budget, margin, space, host_limit)[:12]}"
 
 
-def _study_key(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace) -> str:
+def _study_key(task: Task, estimator: Estimator, budget: int, margin: float, space: SearchSpace,
+               host_limit: int | None = None) -> str:
     """A hash of everything the study's figures depend on (its name holds the first 12 digits)."""
     key = "|".join(str(x) for x in (
         task.source_hash or task.name, estimator.device, estimator.spec.name if estimator.spec else "",
@@ -158,6 +160,9 @@ def _study_key(task: Task, estimator: Estimator, budget: int, margin: float, spa
         *((task.shape_policy,) if task.shape_policy != "max" else ()),
         *((space.grouping,) if space.grouping != (False,) else ()),
         *((tuple(t.name for t in space.techniques),) if space.techniques else ()),
+        # The host's limit decides which offloaded configurations fit (or were set aside
+        # untraced): a study made under another one answers differently.
+        *((f"host {host_limit}",) if host_limit is not None else ()),
     ))
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -165,7 +170,7 @@ def _study_key(task: Task, estimator: Estimator, budget: int, margin: float, spa
 def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, space: SearchSpace, trials: int,
                seed: int | None, storage: str | None, shared: bool = False,
                study_name: str | None = None, survivors: int | None = None,
-               enumerate_limit: int | None = None) -> tuple[MirroredStudy | SharedStudy, bool]:
+               enumerate_limit: int | None = None, host_limit: int | None = None) -> tuple[MirroredStudy | SharedStudy, bool]:
     """The study of this task, target, budget and space (resumed when it exists), and whether
     it enumerates the space: a space no larger than ``trials`` is asked whole
     (``BruteForceSampler``), a larger one sampled by a seeded TPE sampler. ``shared``: the
@@ -179,8 +184,8 @@ def open_study(task: Task, estimator: Estimator, *, budget: int, margin: float, 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     # A shared study splits an enumerated space by the trial budget: it keeps the plain rule.
     exhaustive = enumerates(space, trials, None if shared else survivors, enumerate_limit)
-    key = _study_key(task, estimator, budget, margin, space)
-    name = study_name or _study_name(task, estimator, budget, margin, space)
+    key = _study_key(task, estimator, budget, margin, space, host_limit)
+    name = study_name or _study_name(task, estimator, budget, margin, space, host_limit)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler: optuna.samplers.BaseSampler

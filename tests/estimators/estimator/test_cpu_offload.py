@@ -161,11 +161,12 @@ def test_search_offloads_when_nothing_else_fits() -> None:
     assert any("cpu-offload" in n for n in plan.notes)
     assert "states offloaded (" in plan.table().splitlines()[3]  # the first row says so, with its host memory
     # Without room on the host for the offloaded states, nothing fits, and the refusal says
-    # what was tried.
+    # how much host memory would let them be tried. (Another host limit is a study of its own:
+    # the first search's offloaded estimates do not answer for this one.)
     with pytest.raises(NoFeasiblePlanError) as info:
         search(task, gpu="RTX-4090", vram=vram, global_batch=8, trials=40, probe_top=0, seed=0,
                host_memory=str(4 * params))
-    assert "host memory" in str(info.value)
+    assert "try --host-memory" in str(info.value) and "of host memory, more than the" in str(info.value)
 
 
 def test_refusal_names_the_techniques() -> None:
