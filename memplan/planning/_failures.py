@@ -19,7 +19,7 @@ from typing import Any
 
 from estimators import MemplanError, TrainConfig
 
-from ._space import SearchSpace
+from ._space import SearchSpace, layout_key
 
 __all__ = ["Failures", "contrast", "plainest", "summarize_failures"]
 
@@ -104,12 +104,7 @@ def contrast(space: SearchSpace, config: TrainConfig) -> TrainConfig | None:
     precision = other(space.precisions, config.precision, prefer="fp32")
     segments = other(space.checkpoint_segments, config.checkpoint_segments, prefer=0)
     keys = [layout.key for layout in space.layouts]
-    current = next((layout.key for layout in space.layouts
-                    if (layout.strategy, layout.world_size, layout.nodes, layout.tp, layout.sequence_parallel,
-                        layout.dp_replicate)
-                    == (config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
-                        config.dp_replicate)),
-                   keys[0])
+    current = layout_key(config) if layout_key(config) in keys else keys[0]
     layout = other(tuple(keys), current)
     candidate = space.config(micro, precision, segments, layout)
     return None if candidate == config else candidate

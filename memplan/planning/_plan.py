@@ -317,10 +317,7 @@ class Plan:
         # Same global batch, and the same processes: the ranks of a run cannot change; the same
         # data order, so that a resumed run meets the same batches.
         candidates = [e for e in self.entries if e.config.global_batch == current.global_batch and e.config != current
-                      and e.config.strategy == current.strategy and e.config.world_size == current.world_size
-                      and e.config.tp == current.tp
-                      and e.config.sequence_parallel == current.sequence_parallel
-                      and e.config.dp_replicate == current.dp_replicate
+                      and layout_key(e.config) == layout_key(current)
                       and e.config.length_grouped == current.length_grouped
                       # The optimizer and the weights' dtype are not switched in a running process.
                       and e.config.optimizer_in_backward == current.optimizer_in_backward
