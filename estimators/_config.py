@@ -8,14 +8,17 @@ from typing import Any, Literal
 
 from ._errors import ConfigError
 
-__all__ = ["CheckpointPolicy", "CHECKPOINT_POLICIES", "Precision", "Strategy", "TrainConfig",
-           "normalize_precision", "PRECISIONS"]
+__all__ = ["CheckpointPolicy", "CHECKPOINT_POLICIES", "PipelineSchedule", "PIPELINE_SCHEDULES", "Precision",
+           "Strategy", "TrainConfig", "normalize_precision", "PRECISIONS"]
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"]
 Strategy = Literal["single", "ddp", "fsdp"]
 CheckpointPolicy = Literal["full", "selective", "op"]
 
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+
 CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = ("full", "selective", "op")
+PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true")
 
@@ -90,6 +93,18 @@ class TrainConfig:
     when it holds that many), and the groups all-reduce their gradient shards. Each rank holds
     ``dp_replicate`` times the states of plain FSDP2 over the same ranks, and gathers only
     within its group."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model's block stack is cut into ``pp`` stages (the first
+    also holds what runs before the blocks, the last what runs after them and the loss), one
+    per process, which pass activations and their gradients to their neighbours
+    (``torch.distributed.pipelining``, see ``runtime._pipeline``)."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """The pipeline's schedule: ``gpipe`` (every micro-batch's forward, then every backward),
+    ``1f1b`` (a stage holds at most ``pp`` micro-batches' activations) or ``interleaved-1f1b``
+    (two stages per process, looped: smaller bubbles, twice the transfers)."""
+    pp_microbatches: int = 1
+    """Micro-batches of ``micro_batch_size`` samples that one pipeline step runs (and whose
+    gradients it accumulates) with ``pp > 1``: ``grad_accum_steps`` stays 1."""
     nodes: int = 1
     """Machines the ``world_size`` processes are spread over, evenly (``world_size % nodes ==
     0``): collectives between nodes cross the network, which the step-time model prices."""
@@ -114,7 +129,8 @@ class TrainConfig:
     On a CPU device nothing moves (host memory is the device's)."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes", "tp", "dp_replicate"):
+        for name in ("micro_batch_size", "grad_accum_steps", "world_size", "nodes", "tp", "dp_replicate", "pp",
+                     "pp_microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -151,6 +167,7 @@ class TrainConfig:
             raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         _check_tensor_parallel(self)
         _check_hsdp(self)
+        _check_pipeline(self)
         if self.world_size % self.nodes:
             raise ConfigError(
                 f"world_size {self.world_size} does not split evenly over nodes {self.nodes}; "
@@ -171,12 +188,17 @@ class TrainConfig:
 
     @property
     def ranks(self) -> int:
-        """Processes the configuration runs on: ``world_size`` replicas of ``tp`` each."""
-        return self.world_size * self.tp
+        """Processes the configuration runs on: ``world_size`` replicas of ``tp * pp`` each."""
+        return self.world_size * self.tp * self.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches one optimizer step runs on a replica: accumulated, or a pipeline's."""
+        return self.grad_accum_steps * self.pp_microbatches
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+        return self.micro_batch_size * self.grad_accum_steps * self.pp_microbatches * self.world_size
 
     def replace(self, **changes: Any) -> TrainConfig:
         # Fields by name (callers build the changes at run time); __post_init__ checks them.
@@ -201,6 +223,9 @@ class TrainConfig:
             del d["sequence_parallel"]  # likewise
         if self.dp_replicate == 1:
             del d["dp_replicate"]  # likewise
+        if self.pp == 1:
+            for name in ("pp", "pp_schedule", "pp_microbatches"):
+                del d[name]  # likewise
         return d
 
     @classmethod
@@ -230,6 +255,8 @@ class TrainConfig:
                          + (f" over {self.nodes} nodes" if self.nodes > 1 else ""))
         elif self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} {self.pp_schedule} over {self.pp_microbatches} micro-batches")
         if self.sequence_parallel:
             parts.append("sequence parallel")
         if self.length_grouped:
@@ -278,6 +305,35 @@ def _check_hsdp(config: TrainConfig) -> None:
     if config.cpu_offload:
         raise ConfigError(f"cpu_offload is not combined with dp_replicate {config.dp_replicate} (HSDP); set "
                           "dp_replicate=1 or cpu_offload=False")
+
+
+def _check_pipeline(config: TrainConfig) -> None:
+    if config.pp_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"unknown pp_schedule {config.pp_schedule!r}; use {', '.join(PIPELINE_SCHEDULES)}")
+    if config.pp == 1:
+        if config.pp_microbatches != 1:
+            raise ConfigError(f"pp_microbatches {config.pp_microbatches} are a pipeline's; set pp >= 2, or use "
+                              "grad_accum_steps to accumulate micro-batches")
+        return
+    if config.grad_accum_steps != 1:
+        raise ConfigError(f"a pipeline accumulates its own micro-batches; set grad_accum_steps=1 and "
+                          f"pp_microbatches={config.grad_accum_steps * max(config.pp_microbatches, 1)}")
+    if config.pp_schedule != "gpipe" and config.pp_microbatches < config.pp:
+        raise ConfigError(f"the {config.pp_schedule} schedule needs at least as many micro-batches as stages; set "
+                          f"pp_microbatches >= {config.pp} (or pp_schedule='gpipe')")
+    if config.pp_schedule == "interleaved-1f1b" and config.pp_microbatches % config.pp:
+        raise ConfigError(f"interleaved-1f1b runs micro-batches in rounds of pp {config.pp}; set pp_microbatches to a "
+                          f"multiple of {config.pp}")
+    # Not traced or trained together (yet): refused rather than run untested.
+    combined = [name for name, on in (("data parallelism (strategy ddp/fsdp)", config.strategy != "single"),
+                                      (f"tp {config.tp}", config.tp > 1),
+                                      ("optimizer_in_backward", config.optimizer_in_backward),
+                                      ("offload_activations", config.offload_activations),
+                                      ("fp16-mixed (its loss scaler)", config.precision == "fp16-mixed"))
+                if on]
+    if combined:
+        raise ConfigError(f"pp {config.pp} is not combined with {combined[0]}; set pp=1, or train the pipeline "
+                          "alone (strategy='single', tp=1) in fp32, bf16-mixed or bf16-true")
 
 
 def _check_optimizer_in_backward(config: TrainConfig) -> None:

@@ -78,7 +78,8 @@ class BatchScaling:
         # Offloading to a GPU's host skips saved tensors under MIN_OFFLOAD_BYTES, a line that
         # per-sample-small tensors (a norm's statistics, a loss over few classes) cross between
         # the small anchors and the planned batch: such traces differ in structure, not size.
-        return config.offload_activations and self.traces.device == "cuda"
+        # A pipeline's trace is its fullest stage's, with what its pricing needs (not scaled).
+        return (config.offload_activations and self.traces.device == "cuda") or config.pp > 1
 
     @staticmethod
     def _derivable(key: ShapeKey, sizes: Mapping[ShapeKey, set[int]], few: set[ShapeKey]) -> bool:

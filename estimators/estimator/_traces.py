@@ -29,7 +29,8 @@ from ._prefetch import Prefetching
 
 __all__ = ["DATA_DEPENDENT_CAPACITY", "DATA_DEPENDENT_DRAWS", "ShapeKey", "TraceKey", "TraceSource"]
 
-ShapeKey: TypeAlias = tuple[int, str, int, str, int, "tuple[str, tuple[int, ...]] | None", str, bool, bool, bool, int, bool, int]
+ShapeKey: TypeAlias = tuple[int, str, int, str, int, "tuple[str, tuple[int, ...]] | None", str, bool, bool, bool, int, bool, int,
+                            "tuple[int, str, int] | None"]
 """What traces of one shape share (:meth:`TraceSource.shape_key`): everything but the micro-batch size."""
 
 TraceKey: TypeAlias = tuple[ShapeKey, int]
@@ -79,7 +80,8 @@ class TraceSource(Prefetching):
         return (min(config.grad_accum_steps, 2), config.precision, config.checkpoint_segments,
                 config.strategy, config.world_size, planned.key() if planned is not None else None,
                 config.checkpoint_policy, config.optimizer_in_backward, config.cpu_offload,
-                config.offload_activations, config.tp, config.sequence_parallel, config.dp_replicate)
+                config.offload_activations, config.tp, config.sequence_parallel, config.dp_replicate,
+                (config.pp, config.pp_schedule, config.pp_microbatches) if config.pp > 1 else None)
 
     def known(self, config: TrainConfig) -> Prepared | None:
         """The prepared trace of ``config`` at its own micro-batch size, if one was made."""

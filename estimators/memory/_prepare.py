@@ -37,6 +37,10 @@ class Prepared(EventTable):
     workspaces: tuple[np.ndarray, WorkspaceFit, list[Source | None]] | None = None
     """The kernel workspaces' allocations and where the fit has each: batch scaling sizes
     them from the fit, since a workspace is not affine in the batch size."""
+    stage_scale: float = 1.0
+    """A pipeline's (``Trace.stage_scale``): its busiest stage's compute over this stage's."""
+    send_bytes: int = 0
+    """A pipeline's (``Trace.send_bytes``): bytes a stage sends each way per micro-batch."""
     draws: tuple[int, int, int | None] | None = None
     """(real batches, batch offset of the fullest, its peak or None) of a data-dependent
     model's real runs (see ``TraceSource._worst_real_trace``)."""
@@ -78,6 +82,8 @@ def prepare(trace: Trace, *, workspaces: Sequence[int] | None, cublas_workspace_
         host_allocs=trace.host_allocs,
         workspaces=None if model is None else (np.asarray(op_alloc, dtype=np.int64), *model),
         draws=(trace.draws, trace.batch_offset, trace.fullest_peak) if trace.draws else None,
+        stage_scale=trace.stage_scale,
+        send_bytes=trace.send_bytes,
     )
 
 

@@ -172,16 +172,17 @@ def fit_key(config: TrainConfig) -> tuple[Any, ...]:
     accumulation runs the same kernels); DDP and FSDP2 run other ops in their first step and
     in skipped-sync micro-batches, so their layout and accumulation count too; a tensor-parallel
     rank runs its kernels at the shard's shapes, so the degree counts."""
-    if config.strategy == "single" and config.tp == 1:
+    if config.strategy == "single" and config.tp == 1 and config.pp == 1:
         return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.optimizer_in_backward)
     return (config.precision, config.checkpoint_segments, config.checkpoint_policy, config.strategy,
             config.world_size, min(config.grad_accum_steps, 2), config.cpu_offload, config.tp,
-            config.sequence_parallel, config.dp_replicate)
+            config.sequence_parallel, config.dp_replicate) + (
+        (config.pp, config.pp_schedule, config.pp_microbatches) if config.pp > 1 else ())
 
 
 def reference_config(config: TrainConfig) -> TrainConfig | None:
     """The configuration whose fit ``config`` borrows (one device, checkpointed), else None."""
-    if config.strategy == "single" and config.tp == 1 and config.checkpoint_segments:
+    if config.strategy == "single" and config.tp == 1 and config.pp == 1 and config.checkpoint_segments:
         return config.replace(checkpoint_segments=0, checkpoint_policy="full")
     return None
 

@@ -153,11 +153,13 @@ def measure_cpu_peak(task: Task, config: TrainConfig, *, steps: int = 2, model: 
         for i in range(1, steps + 1):
             steps_of(i)
 
-    if config.strategy != "single":
+    if config.strategy != "single" or config.pp > 1:
         with _profiled() as prof:
             if model is None:
                 model = copy.deepcopy(task.prebuilt) if task.prebuilt is not None else task.build_model()
             built = build_for_training(task, config, "cpu", model=model)
+            # A pipeline's process keeps its stages only; the rest of the model goes, as in training.
+            model = None
             with torch.profiler.record_function(_STEPS_MARK):
                 run(built)
         peak, level = _allocation_levels(prof, from_mark=_STEPS_MARK)

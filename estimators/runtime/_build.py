@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from .._config import TrainConfig
-from . import _checkpoint, _parallel, _precision
+from .._errors import ConfigError
+from . import _checkpoint, _parallel, _pipeline, _precision
 
 if TYPE_CHECKING:
     from ..task._task import Task
@@ -51,6 +52,11 @@ def build_for_training(task: Task, config: TrainConfig, device: torch.device | s
     else:
         _precision.cast_model(model, config.precision)
     model.train()
+    if config.pp > 1:
+        # Cut into stages, each checkpointed on its own (the cut traces through a checkpoint).
+        _check_pipelined(task, config, compile)
+        wrapped = wrap(model) if wrap is not None else _pipelined(task, config, model, device)
+        return BuiltModel(_parallel.unwrap(wrapped), wrapped, wrapped)
     _checkpoint.apply_checkpointing(model, config.checkpoint_segments, task.checkpoint_blocks,
                                     policy=config.checkpoint_policy)
     if wrap is not None:
@@ -62,6 +68,28 @@ def build_for_training(task: Task, config: TrainConfig, device: torch.device | s
     # that it returns a callable of the module's call signature.
     forward: nn.Module = torch.compile(wrapped) if compile else wrapped  # type: ignore[assignment]
     return BuiltModel(_parallel.unwrap(wrapped), wrapped, forward, compiled=compile)
+
+
+def _check_pipelined(task: Task, config: TrainConfig, compile: bool) -> None:
+    from ..task._task import default_loss
+
+    if task.loss_fn is not default_loss:
+        raise ConfigError(f"{task.name}: pipeline stages run the default loss on the last stage's output, and the "
+                          "model file defines loss(model, batch), which needs the whole model; use pp=1")
+    if compile:
+        raise ConfigError("torch.compile is not applied to pipeline stages; use pp=1 or compile off")
+
+
+def _pipelined(task: Task, config: TrainConfig, model: nn.Module, device: torch.device | str) -> nn.Module:
+    """This process's stages of ``model``, on a real process group of ``config.pp`` ranks (the
+    default one: a pipeline alone)."""
+    import torch.distributed as dist
+
+    example = _pipeline.pipeline_inputs(task.real_batch(config.micro_batch_size))
+    piped = _pipeline.build_pipeline(model, config, example, finder=task.checkpoint_blocks,
+                                     device=torch.device(device), rank=dist.get_rank())
+    piped.label_smoothing = task.step.label_smoothing
+    return piped
 
 
 def checkpoint_more(built: BuiltModel, task: Task, segments: int, policy: str = "full") -> BuiltModel:

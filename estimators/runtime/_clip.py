@@ -11,13 +11,18 @@ import torch.nn as nn
 __all__ = ["clip_gradients"]
 
 
-def clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: float) -> torch.Tensor:
+def clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: float, *,
+                   group: object | None = None) -> torch.Tensor:
     """Clip in place; returns the global gradient norm before clipping (logged either way).
 
     Runs on fake tensors too (no ``.item()``): the norms, the total and the clip coefficient are
     the temporaries an estimate must hold. Under FSDP2 the norm is a DTensor over the shards.
+    ``group``: a pipeline's process group, whose stages hold the other parameters: the norm is
+    summed over it (torchtitan's ``clip_grad_norm_`` with its ``pp_mesh``).
     """
     params = [p for p in model.parameters() if p.grad is not None]
+    if group is not None:
+        return _clip_over_stages(params, mode, threshold, group)
     # Left to itself, clipping takes its multi-tensor kernels for real tensors only (it checks
     # ``type(t) is Tensor``) and a per-tensor loop for fake ones: other ops, other
     # temporaries. Asking for them by device runs the same kernels in the trace as in training.
@@ -34,6 +39,22 @@ def clip_gradients(model: nn.Module, mode: Literal["norm", "value"], threshold: 
 
 
 _FOREACH_DEVICES = ("cpu", "cuda")
+
+
+def _clip_over_stages(params: Sequence[torch.Tensor], mode: str, threshold: float, group: object) -> torch.Tensor:
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    foreach = True if params and params[0].device.type in _FOREACH_DEVICES else None
+    local = torch.nn.utils.get_total_norm(grads, foreach=foreach) if grads else torch.zeros(())
+    squared = local.float() ** 2
+    dist.all_reduce(squared, group=group)
+    total = squared.sqrt()
+    if mode == "norm":
+        torch.nn.utils.clip_grads_with_norm_(params, threshold, total, foreach=foreach)
+    else:
+        torch.nn.utils.clip_grad_value_(params, threshold, foreach=foreach)
+    return total
 
 
 def _by_mesh(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -232,7 +232,12 @@ def _is_fsdp(model: nn.Module) -> bool:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (FSDP2 modifies the module in place)."""
+    """The user's module inside a DDP wrapper (FSDP2 modifies the module in place); a pipeline's
+    stages of this process."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from ._pipeline import PipelinedModel
+
+    if isinstance(model, PipelinedModel):
+        return model.modules_  # this process's stages
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -40,7 +40,7 @@ class PlannedSteps:
                  hooks: StepHooks | None = None) -> None:
         self.task, self.config, self.real = task, config, real
         self.batch_size = batch_size or config.micro_batch_size
-        self.micro_steps = micro_steps or config.grad_accum_steps
+        self.micro_steps = micro_steps or config.micro_batches
         self.batch_offset = batch_offset
         self.hooks = hooks
         self.device = torch.device(device)
@@ -63,6 +63,6 @@ class PlannedSteps:
                 yield self.task.fake_batch(b, like=cfg.micro_batch_size)
 
     def __call__(self, step: int, hooks: StepHooks | None = None) -> StepResult:
-        weights = [1.0 / self.config.grad_accum_steps] * self.micro_steps
+        weights = [1.0 / self.config.micro_batches] * self.micro_steps
         return train_step(self.parts, self.batches(step), weights, step=step, hooks=hooks or self.hooks,
                           tracing=not self.real)

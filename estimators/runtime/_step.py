@@ -31,6 +31,7 @@ from . import _activation_offload, _parallel
 from ._clip import clip_gradients
 from ._ema import EMA
 from ._optim_bwd import OptimizerInBackward, check_compatible
+from ._pipeline import PipelinedModel
 from ._precision import ScalerSettings, StepPrecision
 
 __all__ = [
@@ -142,6 +143,8 @@ def make_step_parts(
     ema = None
     if options.ema_decay is not None:
         ema = EMA(model, options.ema_decay)
+    if isinstance(wrapped, PipelinedModel):
+        wrapped.label_smoothing = options.label_smoothing  # the last stage's loss is the step's
     return StepParts(
         model=model,
         forward_model=forward_model if forward_model is not None else wrapped,
@@ -223,7 +226,8 @@ def train_step(
     grad_norm = None
     if parts.options.clip != "off":
         parts.precision.unscale(parts.optimizer)  # clip the true gradients, not the scaled ones
-        grad_norm = clip_gradients(parts.model, parts.options.clip, parts.options.clip_threshold)
+        grad_norm = clip_gradients(parts.model, parts.options.clip, parts.options.clip_threshold,
+                                   group=parts.wrapped.group if isinstance(parts.wrapped, PipelinedModel) else None)
     if not hooks.gradients_ready(grad_norm):
         return _skipped(parts, hooks, step, loss_sum, grad_norm)
     applied = parts.precision.optimizer_step(parts.optimizer, tracing=tracing)
@@ -238,6 +242,8 @@ def train_step(
 def _forward_backward(
     parts: StepParts, batches: Iterator[Batch], weights: Sequence[float], step: int, hooks: StepHooks
 ) -> torch.Tensor | None:
+    if isinstance(parts.wrapped, PipelinedModel):
+        return _pipeline_forward_backward(parts, parts.wrapped, batches, weights, step, hooks)
     loss_sum: torch.Tensor | None = None
     last = len(weights) - 1
     for k, weight in enumerate(weights):
@@ -275,6 +281,45 @@ def _forward_backward(
         loss_sum.add_(loss.detach())
         del batch, loss  # free the batch and the graph now, as the estimate assumes
         hooks.after_backward(parts.model)
+    return loss_sum
+
+
+def _pipeline_forward_backward(
+    parts: StepParts, piped: PipelinedModel, batches: Iterator[Batch], weights: Sequence[float], step: int,
+    hooks: StepHooks
+) -> torch.Tensor:
+    """The window's micro-batches through the pipeline's schedule: every process loads them
+    (the first stage takes the inputs, the last the targets), concatenated into the step's
+    batch, which the schedule splits again; it accumulates the gradients averaged over the
+    micro-batches, so the window's must be alike."""
+    if len(weights) != piped.schedule._n_microbatches or len(set(weights)) > 1:
+        raise ValueError(f"a pipeline step runs {piped.schedule._n_microbatches} micro-batches of one size, got "
+                         f"weights {list(weights)}")
+    hooks.phase(f"step {step} micro 1 forward", "forward")
+    hooks.making_batch(True)
+    window = []
+    for k in range(len(weights)):
+        batch = next(batches, None)
+        if batch is None:
+            raise ValueError(f"train_step: {len(weights)} micro-batch weights but only {k} batches")
+        window.append(to_device(batch, parts.device))
+    inputs = tree_map(lambda *t: torch.cat(t) if isinstance(t[0], torch.Tensor) else t[0], *window)
+    del window
+    hooks.making_batch(False)
+    hooks.batch(inputs)
+    if parts.precision.weight_dtype is not None:
+        inputs = parts.precision.convert_input(inputs)
+        hooks.batch(inputs)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=parts.device)
+    x, targets = inputs
+    del inputs
+    with parts.precision.forward_context(), piped.phases(hooks, step):
+        losses = piped.run(x, targets)
+    for loss in losses:
+        loss_sum.add_(loss.detach(), alpha=weights[0])
+    del x, targets, losses
+    piped.share_loss(loss_sum)
+    hooks.after_backward(parts.model)
     return loss_sum
 
 

@@ -169,3 +169,24 @@ def fsdp_comm(units: list[int] | tuple[int, ...], root: int, param_bytes: int, g
     bwd = pass_exposed(gathers_bwd + scatters, backward_s, False, True)
     exposed = micro * (fwd + bwd)
     return CommTime(total, exposed)
+
+
+def pipeline_time(compute_s: float, config: TrainConfig, send_bytes: int, link: tuple[float, float]) -> CommTime:
+    """What a pipeline adds to one process's compute (``compute_s``, the busiest stage's
+    forward and backward over the step's micro-batches): the bubble, in which a stage waits for
+    the first micro-batch to reach it and the last to come back (``(pp - 1) / (v * m)`` of the
+    compute for ``m`` micro-batches and ``v`` stages a process, as Megatron-LM and torchtitan
+    count it; the same for GPipe and 1F1B, which differ in memory), and the transfers between
+    stages: each micro-batch's activations forward and their gradients back, ``send_bytes``
+    each way per micro-batch and stage. A transfer overlaps the next micro-batch's compute,
+    except those on the fill and drain path, one each way per stage boundary."""
+    from ..runtime._pipeline import VIRTUAL_STAGES
+
+    v = VIRTUAL_STAGES[config.pp_schedule]
+    m = config.pp_microbatches
+    bubble = compute_s * (config.pp - 1) / (v * m)
+    bw, lat = link
+    one = send_bytes / bw + lat if send_bytes else 0.0
+    total = 2 * m * v * one
+    exposed = 2 * (config.pp - 1) * one
+    return CommTime(total_s=total + bubble, exposed_s=exposed + bubble)

@@ -20,7 +20,15 @@ from ..memory._prepare import Prepared
 from ..runtime._precision import weight_dtype
 from ._activation_offload_time import activation_offload_time
 from ._calibration import TimeCalibration
-from ._comm import COLLECTIVE_PREFIX, CommTime, ddp_comm, fsdp_comm, ring_bandwidth, tensor_parallel_comm
+from ._comm import (
+    COLLECTIVE_PREFIX,
+    CommTime,
+    ddp_comm,
+    fsdp_comm,
+    pipeline_time,
+    ring_bandwidth,
+    tensor_parallel_comm,
+)
 from ._cpu_offload_time import cpu_offload_time
 from ._timing import DeviceRates, OpCosts, StepTimeParts, costs_of, steady_state_weights, step_time, step_time_parts
 
@@ -81,14 +89,22 @@ def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: Tim
                                        list(costs.bytes_moved[collective]), list(runs), config.tp,
                                        ring_bandwidth(spec, 1))
         costs = _subset(costs, ~collective)
-    parts = step_time_parts(costs, p.phase_labels, config.grad_accum_steps, rates)
+    parts = step_time_parts(costs, p.phase_labels, config.grad_accum_steps, rates, every_micro=config.pp > 1)
     comm = _comm_time(config, p, facts, spec, rates)
     if tp_comm is not None:
         comm = tp_comm if comm is None else CommTime(comm.total_s + tp_comm.total_s,
                                                      comm.exposed_s + tp_comm.exposed_s)
+    piped = None
+    if config.pp > 1:
+        # A pipeline runs at its busiest stage's pace (``stage_scale``: its compute over this,
+        # the fullest, stage's), and waits in its bubble.
+        compute_s = parts.total_s * p.stage_scale
+        piped = pipeline_time(compute_s, config, p.send_bytes, ring_bandwidth(spec, 1))
     # Added after calibration: probes run on one device and measure no communication (nor
     # host traffic, as they run without offload's copies on CPU).
     fixed = (comm.exposed_s if comm is not None else 0.0) + (offload.added_s if offload is not None else 0.0)
+    if piped is not None:
+        fixed += parts.total_s * (p.stage_scale - 1) + piped.exposed_s
     activations = activation_offload_time(p, config.grad_accum_steps, rates, spec)
     if activations is not None:  # offloaded activations: the host link's copies compute does not hide
         fixed += activations.exposed_s
@@ -97,6 +113,10 @@ def price(config: TrainConfig, p: Prepared, rates: DeviceRates, calibration: Tim
     if comm is not None:
         notes.append(f"communication {comm.total_s * 1e3:.2f} ms per step, "
                      f"{comm.exposed_s * 1e3:.2f} ms of it not hidden by compute")
+    if piped is not None:
+        notes.append(f"pipeline: {config.pp} stages, {config.pp_microbatches} micro-batches, "
+                     f"{p.send_bytes / 1e6:.2f} MB sent each way per micro-batch and stage; bubble and transfers "
+                     f"{piped.exposed_s * 1e3:.2f} ms of the step")
     if offload is not None:
         notes.append(offload.note())
     if activations is not None:

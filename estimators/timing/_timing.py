@@ -204,20 +204,24 @@ class StepTimeParts:
         return self.overhead_s + sum(self.work_s.values())
 
 
-def _steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int) -> np.ndarray:
+def _steady_state_weights(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int, *,
+                          every_micro: bool = False) -> np.ndarray:
     """How many times each traced op runs in one steady-state optimizer step.
 
     Step 2's ops are the steady state (step 1 creates the optimizer state). With
     accumulation the trace holds two micro-batches per step: the first creates the
     gradients, the second accumulates into them (one more add per parameter); a window of
     A micro-batches runs the first once and the accumulating one A - 1 times. The optimizer
-    step and zero_grad run once."""
+    step and zero_grad run once. ``every_micro``: the trace holds every micro-batch of the
+    step (a pipeline's), each run once."""
     labels = list(phase_labels)
     micro_phases = [
         i for i, lab in enumerate(labels) if lab.startswith("step 2") and ("forward" in lab or "backward" in lab)
     ]
     weights = np.zeros(len(labels), dtype=np.float64)
-    if any("micro" in labels[i] for i in micro_phases):
+    if every_micro:
+        weights[micro_phases] = 1.0
+    elif any("micro" in labels[i] for i in micro_phases):
         def micro_of(i: int) -> str:
             return labels[i].split(" forward")[0].split(" backward")[0]
         first, last = micro_of(micro_phases[0]), micro_of(micro_phases[-1])
@@ -248,10 +252,11 @@ def _work_per_op(costs: OpCosts, phase_labels: Sequence[str], rates: DeviceRates
 
 
 def step_time_parts(costs: OpCosts, phase_labels: Sequence[str], grad_accum_steps: int,
-                    rates: DeviceRates) -> StepTimeParts:
+                    rates: DeviceRates, *, every_micro: bool = False) -> StepTimeParts:
     """Seconds per optimizer step, in parts: the steady state's micro-batches (forward +
-    backward) as many times as the window runs them, plus the optimizer step and zero_grad."""
-    weight = _steady_state_weights(costs, phase_labels, grad_accum_steps)
+    backward) as many times as the window runs them, plus the optimizer step and zero_grad
+    (``every_micro``: see :func:`steady_state_weights`)."""
+    weight = _steady_state_weights(costs, phase_labels, grad_accum_steps, every_micro=every_micro)
     work = _work_per_op(costs, phase_labels, rates) * weight
     by_dtype: dict[str, float] = {}
     for dtype in set(costs.dtype):

@@ -690,6 +690,8 @@ def trace_composed(task: Task, config: TrainConfig, *, batch_size: int, target: 
             traced.notes = (*traced.notes, note)
         return traced
 
+    if config.pp > 1:
+        return whole(None)  # each stage is traced whole: its blocks are a part of the stack
     facts = stack_facts(task)
     if facts.blocks < 3:
         return whole(None)

@@ -59,8 +59,9 @@ _PG_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def simulated_ranks(world_size: int) -> Iterator[None]:
-    """A fake default process group of ``world_size`` ranks (this process is rank 0).
+def simulated_ranks(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake default process group of ``world_size`` ranks (this process is ``rank``: a
+    pipeline's stage is its rank's).
 
     Raises ``ConfigError`` when a real process group is already initialised: the simulation
     would have to replace it. The group is destroyed on exit, whatever happens inside.
@@ -76,11 +77,47 @@ def simulated_ranks(world_size: int) -> Iterator[None]:
             )
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
-            yield
+            with _sends_held():
+                yield
         finally:
             dist.destroy_process_group()
+
+
+class _HeldSend:
+    """A send's work that keeps the tensor sent for as long as the work lives, as a real
+    backend's does (gloo's work holds its tensors until it is destroyed, after its wait); the
+    fake group's holds nothing, and a gradient a pipeline stage sends back would die before the
+    schedule lets go of the work."""
+
+    def __init__(self, work: object, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: object, **kwargs: object) -> object:
+        return self._work.wait(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _sends_held() -> Iterator[None]:
+    """Pipeline schedules send through ``schedules._batch_p2p``: its works hold what they send."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def held(ops: list[dist.P2POp], desc: str | None = None) -> list[object]:
+        sent = [op.tensor for op in ops if op.op is dist.isend]
+        return [_HeldSend(w, sent) for w in original(ops, desc=desc)]
+
+    schedules._batch_p2p = held  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -228,6 +265,7 @@ def parallelize_simulated(
     finder: BlockFinder | None = None,
     mode: FakeTensorMode | None = None,
     tp_hook: TpPlanHook | None = None,
+    example: Callable[[], object] | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for ``config`` inside :func:`simulated_ranks`: split for ``config.tp``
     (``_tensor_parallel.apply_tp``), then FSDP2 itself (``_parallel.apply_fsdp``), or
@@ -236,7 +274,19 @@ def parallelize_simulated(
     ``mode`` (a fake-tensor mode) is entered for the wrapping only: the device meshes are
     built outside it, as their rank tables must be real tensors (a 2-D mesh's ``dp`` and ``tp``
     slices too).
+
+    A pipeline (``config.pp > 1``) is cut into stages, this rank's built (``_pipeline``), on
+    the micro-batch inputs ``example()`` makes in ``mode``.
     """
+    if config.pp > 1:
+        import torch.distributed as dist
+
+        from ..runtime._pipeline import build_pipeline, pipeline_inputs
+
+        assert example is not None, "a pipeline is cut on an example micro-batch"
+        with mode if mode is not None else contextlib.nullcontext():
+            return build_pipeline(model, config, pipeline_inputs(example()), finder=finder,
+                                  device=torch.device("cpu"), rank=dist.get_rank())
     if config.strategy == "single" and config.tp == 1:
         return model
     mesh, tp_mesh = device_meshes(config, "cpu")  # HSDP's 2-D data-parallel mesh too

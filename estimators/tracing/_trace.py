@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -78,6 +78,11 @@ class Trace(EventTable):
     single_micro: Trace | None = None
     """The same step without gradient accumulation, derived from this trace (fake traces of
     one device with accumulation >= 2; see ``estimators.tracing._steady.drop_second_micro``)."""
+    stage_scale: float = 1.0
+    """A pipeline's: its busiest traced stage's FLOPs over this (the fullest) stage's."""
+    send_bytes: int = 0
+    """A pipeline's: the bytes its busiest sending stage passes on per micro-batch (its
+    neighbour sends the gradients back, as many bytes)."""
     tagged: TaggedRaw | None = None
     """A trace of a cut block stack (``trace_step(cut=...)``): the recorded events before the
     later steps were derived, with the block of each (``estimators.tracing._compose``)."""
@@ -123,6 +128,7 @@ def trace_step(
     options: StepOptions | None = None,
     on_compute: OnCompute | None = None,
     cut: DepthCut | None = None,
+    stage: int | None = None,
 ) -> Trace:
     """Trace ``steps`` optimizer steps of ``config`` (micro-batch ``batch_size`` if given).
 
@@ -154,7 +160,16 @@ def trace_step(
     ``cut`` traces the model with its block stack cut short (``_depth.DepthCut``; its own
     blocks checkpointed instead of ``config.checkpoint_segments``), every event tagged with its
     block: ``Trace.tagged``, from which ``_compose`` builds the trace of the whole stack.
+
+    A pipeline (``config.pp > 1``) traces the process of pipeline rank ``stage``; by default
+    those of :func:`~estimators.runtime._pipeline.traced_ranks` (the first, a middle and the
+    last), and answers the fullest one's trace, noting each one's peak
+    (:func:`_fullest_stage`).
     """
+    if config.pp > 1 and stage is None:
+        return _fullest_stage(task, config, batch_size=batch_size, real=real, profile=profile, steps=steps,
+                              target=target, capability=capability, batch_offset=batch_offset, options=options,
+                              on_compute=on_compute)
     b = batch_size or config.micro_batch_size
     options = options if options is not None else task.step
     if steps < 1:
@@ -164,8 +179,8 @@ def trace_step(
     task.batch_template()
     if not real:
         task.fake_batch(b, like=config.micro_batch_size)  # the planned items, collated outside fake mode
-    ranks = (_distributed.simulated_ranks(config.ranks) if config.ranks > 1 or config.strategy != "single"
-             else contextlib.nullcontext())
+    ranks = (_distributed.simulated_ranks(config.ranks, rank=stage or 0)
+             if config.ranks > 1 or config.strategy != "single" else contextlib.nullcontext())
     with ranks:
         return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
                            synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
@@ -179,7 +194,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                 options: StepOptions | None = None, on_compute: OnCompute | None = None,
                 cut: DepthCut | None = None) -> Trace:
     # One device or FSDP2 on fake tensors: trace one step and derive the later ones (see _steady).
-    derive = synthesize and config.strategy in ("single", "fsdp") and steps == 2
+    derive = synthesize and config.strategy in ("single", "fsdp") and steps == 2 and config.pp == 1
     traced_steps = 1 if derive else steps
     fake = None if real else fake_mode()
     mode: contextlib.AbstractContextManager[object] = fake if fake is not None else contextlib.nullcontext()
@@ -215,7 +230,9 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
         # not part of the step (training builds it sharded, or frees it before the first step).
         built = build_for_training(task, built_config, "cpu", model=model,
                                    wrap=lambda m: _distributed.parallelize_simulated(
-                                       m, config, finder=task.checkpoint_blocks, mode=fake, tp_hook=task.tp_plan))
+                                       m, config, finder=task.checkpoint_blocks, mode=fake, tp_hook=task.tp_plan,
+                                       example=lambda: (task.real_batch(b, like=config.micro_batch_size) if real
+                                                        else task.fake_batch(b, like=config.micro_batch_size))))
         model = built.wrapped
         if cut is not None:
             owners = param_blocks(kept)
@@ -249,6 +266,7 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
                     stack.enter_context(_activation_offload.simulated_transfers())
                 run_steps(task, config, built, batch_size=b, real=real, steps=traced_steps, hooks=hooks,
                           foreach=foreach, batch_offset=batch_offset, options=options)
+        send_bytes = getattr(built.wrapped, "send_bytes", 0)
         if config.cpu_offload and cuda:
             rec.host.extend(_cpu_offload.host_allocations(rec, phase_labels, [i for i in sharded if i is not None]))
     except MemplanError:
@@ -261,7 +279,33 @@ def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile:
     notes = tuple(semantics_notes(semantics, {op.name for op in rec.ops} if semantics else None))
     if options is not None and options.compile:
         notes += (_COMPILE_NOTE,)
-    return _finished(rec, phase_labels, prof, config, b, "measured-cpu" if real else "traced", notes, derive=derive)
+    traced = _finished(rec, phase_labels, prof, config, b, "measured-cpu" if real else "traced", notes, derive=derive)
+    traced.send_bytes = send_bytes
+    return traced
+
+
+def _fullest_stage(task: Task, config: TrainConfig, **kwargs: Any) -> Trace:
+    """Each of the traced pipeline ranks' traces; the fullest, with a note of every one's peak
+    and, in ``stage_scale``, how much more compute the busiest of them runs (a pipeline runs at
+    its slowest stage's pace)."""
+    from ..runtime._pipeline import traced_ranks
+
+    traces = {rank: trace_step(task, config, stage=rank, **kwargs) for rank in traced_ranks(config.pp)}
+    peaks = {rank: _event_peak(t) for rank, t in traces.items()}
+    fullest = max(peaks, key=lambda r: (peaks[r], -r))
+    work = {rank: float(sum(op.flops for op in t.ops)) for rank, t in traces.items()}
+    chosen = traces[fullest]
+    chosen.stage_scale = max(work.values()) / work[fullest] if work[fullest] else 1.0
+    chosen.send_bytes = max(t.send_bytes for t in traces.values())
+    said = ", ".join(f"rank {r} {peaks[r] / 2**20:.1f} MiB" for r in sorted(peaks))
+    chosen.notes = (*chosen.notes, f"pipeline: traced stages' peaks {said} (allocated); the estimate is rank "
+                                   f"{fullest}'s")
+    return chosen
+
+
+def _event_peak(trace: Trace) -> int:
+    signed = trace.alloc_bytes[trace.event_alloc] * trace.event_sign.astype(np.int64)
+    return int(np.concatenate([[0], np.cumsum(signed)]).max())
 
 
 def _track_owned(rec: Recorder, tensor: torch.Tensor, category: Category, owners: dict[int, int]) -> int | None:
@@ -434,7 +478,7 @@ def run_steps(
     data-dependent model).
     """
     run = PlannedSteps(task, config, built, device=device, options=options, real=real, batch_size=batch_size,
-                       micro_steps=min(config.grad_accum_steps, 2), batch_offset=batch_offset, foreach=foreach,
+                       micro_steps=config.pp_microbatches if config.pp > 1 else min(config.grad_accum_steps, 2), batch_offset=batch_offset, foreach=foreach,
                        hooks=hooks)
     for step in range(1, steps + 1):
         run(step)
