@@ -283,8 +283,14 @@ def _output_bytes(gm: Any, index: int) -> int:
 
     call = [n for n in gm.graph.nodes if n.op == "call_module"][index]
     out = next(n for n in gm.get_submodule(str(call.target)).graph.nodes if n.op == "output")
-    vals: list[Any] = []
-    map_arg(out.args, lambda n: vals.append(n.meta.get("val")) or n)
+    nodes: list[fx.Node] = []
+
+    def seen(n: fx.Node) -> fx.Node:
+        nodes.append(n)
+        return n
+
+    map_arg(out.args, seen)
+    vals = [n.meta.get("val") for n in nodes]
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
