@@ -120,7 +120,8 @@ class BatchScaling:
                 else:
                     fake[(key, a)] = (config, a)
             fitted = reference_config(config) or config
-            if traces.device == "cpu" and traces.workspace_fits.fit_key(fitted) not in fits:
+            # (A pipeline's fit is its fullest stage's, measured when that stage is known.)
+            if traces.device == "cpu" and config.pp == 1 and traces.workspace_fits.fit_key(fitted) not in fits:
                 fits.add(traces.workspace_fits.fit_key(fitted))
                 local.append(("workspace", fitted, 0))
             if traces.device == "cpu" and fitted is not config:

@@ -191,8 +191,9 @@ def phase_kind(label: str, config: TrainConfig) -> str:
     """Forward and backward passes run the same kernels in every micro-batch; the first
     optimizer step (which creates the state) differs from the later ones, and so does the
     first backward when the optimizer steps in it. Under ddp and fsdp
-    every phase is its own (see ``measure_fit``)."""
-    if config.strategy != "single":
+    every phase is its own (see ``measure_fit``), and so is each of a pipeline's (its stage
+    starts each micro-batch differently, as the schedule receives, sends and frees)."""
+    if config.strategy != "single" or config.pp > 1:
         return label
     kind = label.rsplit(" ", 1)[-1]
     # With the optimizer step in backward, the first backward creates the state too.
@@ -210,10 +211,10 @@ def ops_by_phase(trace: Trace) -> dict[str, list[int]]:
     return out
 
 
-def measure_fit(task: Task, config: TrainConfig) -> WorkspaceFit | None:
+def measure_fit(task: Task, config: TrainConfig, *, stage: int | None = None) -> WorkspaceFit | None:
     """Real, profiled runs of ``config``'s kernels at ``WORKSPACE_ANCHORS``; None when they
-    fail."""
-    if config.strategy == "single":
+    fail. A pipeline's are of the stage of rank ``stage`` (the trace's)."""
+    if config.strategy == "single" and config.pp == 1:
         # One optimizer step of one micro-batch: every forward and backward kernel runs;
         # optimizer steps allocate no scratch worth measuring (elementwise kernels).
         # With the optimizer step in backward, the first backward differs from the later
@@ -221,14 +222,16 @@ def measure_fit(task: Task, config: TrainConfig) -> WorkspaceFit | None:
         one, steps = config.replace(grad_accum_steps=1), 2 if config.optimizer_in_backward else 1
     else:
         # DDP and FSDP2 run other ops in their first step (lazy initialisation, bucket
-        # rebuild) and in skipped-sync micro-batches: the runs have the trace's phases.
+        # rebuild) and in skipped-sync micro-batches, a pipeline in its first (the stage's
+        # buffers): the runs have the trace's phases.
         one, steps = config.replace(grad_accum_steps=min(config.grad_accum_steps, 2)), 2
 
     Run = dict[str, tuple[list[str], np.ndarray, list[tuple[Any, Any, list[int]] | None]]]
 
     def run(batch: int) -> Run:
         arguments = _Arguments()
-        trace = trace_step(task, one, batch_size=batch, real=True, profile=True, steps=steps, on_compute=arguments)
+        trace = trace_step(task, one, batch_size=batch, real=True, profile=True, steps=steps, on_compute=arguments,
+                           stage=stage if config.pp > 1 else None)
         assert trace.op_workspace is not None
         ws = trace.op_workspace
         return {phase_kind(phase, config): (

@@ -60,12 +60,12 @@ class WorkspaceFits:
         if trace.op_workspace is not None:
             return trace.op_workspace, None, None
         reference = reference_config(trace.config)
-        if reference is not None and self.fit_key(trace.config) not in self._workspace_fits:
+        if reference is not None and (*self.fit_key(trace.config), None) not in self._workspace_fits:
             borrowed = self.fit(reference)
             sources = borrowed_sources(trace, borrowed) if borrowed is not None else None
             if borrowed is not None and sources is not None and self.borrow_holds(trace.config):
                 return workspaces_at(borrowed, sources, trace.batch_size), None, (borrowed, sources)
-        fit = self.fit(trace.config)
+        fit = self.fit(trace.config, stage=trace.stage)
         if fit is None:
             return None, "kernel workspaces not measured (small-batch CPU runs failed)", None
         sources = aligned_sources(trace, fit)
@@ -74,11 +74,12 @@ class WorkspaceFits:
             return None, DIVERGED, None
         return workspaces_at(fit, sources, trace.batch_size), None, (fit, sources)
 
-    def fit(self, config: TrainConfig) -> WorkspaceFit | None:
-        key = self.fit_key(config)
+    def fit(self, config: TrainConfig, *, stage: int | None = None) -> WorkspaceFit | None:
+        """The fit of ``config``'s kernels (a pipeline's: of the stage of rank ``stage``)."""
+        key = (*self.fit_key(config), stage)
         with self._lock:
             if key not in self._workspace_fits:
-                self._workspace_fits[key] = measure_fit(self.task, config)
+                self._workspace_fits[key] = measure_fit(self.task, config, stage=stage)
             return self._workspace_fits[key]
 
     def borrow_holds(self, config: TrainConfig) -> bool:

@@ -316,6 +316,9 @@ def _check_args(config: TrainConfig, steps: int, warmup: int, budget_bytes: int 
     if config.tp > 1:
         raise ConfigError(f"probes run one process, and tp {config.tp} needs {config.tp}; estimate it "
                           "(memplan estimate --tp) or train it (memplan train --nproc)")
+    if config.pp > 1:
+        raise ConfigError(f"probes run one process, and pp {config.pp} needs {config.pp}; estimate it "
+                          "(memplan estimate --pp)")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a whole number >= 1, got {steps!r}")
     if budget_bytes is not None and (

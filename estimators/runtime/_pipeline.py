@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import operator
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -197,7 +198,10 @@ def build_pipeline(model: nn.Module, config: TrainConfig, example: Any, *, finde
         raise ConfigError("pipeline stages take tensors: the model's inputs must be a tensor or a tuple of tensors; "
                           "use pp=1")
     try:
-        pipe = pipeline(model, mb_args=args, split_spec={block_names[c]: SplitPoint.BEGINNING for c in cuts})
+        with warnings.catch_warnings():
+            # The library's own deprecated pytree check, once per copied tree spec: not the user's to act on.
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            pipe = pipeline(model, mb_args=args, split_spec={block_names[c]: SplitPoint.BEGINNING for c in cuts})
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch.export's errors are many; one line names the cause

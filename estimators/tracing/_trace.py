@@ -80,6 +80,8 @@ class Trace(EventTable):
     one device with accumulation >= 2; see ``estimators.tracing._steady.drop_second_micro``)."""
     stage_scale: float = 1.0
     """A pipeline's: its busiest traced stage's FLOPs over this (the fullest) stage's."""
+    stage: int | None = None
+    """A pipeline's: the rank whose stage this is."""
     send_bytes: int = 0
     """A pipeline's: the bytes its busiest sending stage passes on per micro-batch (its
     neighbour sends the gradients back, as many bytes)."""
@@ -182,10 +184,12 @@ def trace_step(
     ranks = (_distributed.simulated_ranks(config.ranks, rank=stage or 0)
              if config.ranks > 1 or config.strategy != "single" else contextlib.nullcontext())
     with ranks:
-        return _trace_step(task, config, b, real=real, profile=profile, steps=steps,
-                           synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
-                           cuda=target == "cuda", capability=capability, batch_offset=batch_offset,
-                           options=options, on_compute=on_compute, cut=cut)
+        traced = _trace_step(task, config, b, real=real, profile=profile, steps=steps,
+                             synthesize=synthesize and (derive_real or not real), foreach=target == "cuda",
+                             cuda=target == "cuda", capability=capability, batch_offset=batch_offset,
+                             options=options, on_compute=on_compute, cut=cut)
+    traced.stage = stage if config.pp > 1 else None
+    return traced
 
 
 def _trace_step(task: Task, config: TrainConfig, b: int, *, real: bool, profile: bool, steps: int,

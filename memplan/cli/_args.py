@@ -82,6 +82,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", default="1",
                    help="tensor-parallel degree: each block's attention and MLP split over this many devices of a "
                    "machine (default 1); data-parallel replicas = ranks / tp")
+    g.add_argument("--pp", default="1",
+                   help="pipeline-parallel degree: the block stack cut into this many stages, one a device "
+                   "(default 1; alone for now: no --strategy, no --tp)")
+    g.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
+                   help="the pipeline's schedule (default 1f1b; interleaved-1f1b: two stages a device)")
+    g.add_argument("--pp-microbatches", default=None,
+                   help="micro-batches of --batch-size one pipeline step runs and accumulates (default: --pp); "
+                   "--accum stays 1")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: each of the tp devices holds 1/tp of the sequence between the split linears "
                    "(the norms, the residual stream, the inputs checkpointed blocks keep)")
@@ -109,7 +117,18 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
     if gpus % tp:
         raise ConfigError(f"--tp {tp} splits over the devices of one machine, but --gpus is {gpus}; "
                           f"use a --tp that divides --gpus")
-    world = gpus * nodes // tp
+    pp = parse_count(getattr(args, "pp", "1"), what="--pp")
+    given = getattr(args, "pp_microbatches", None)
+    microbatches = parse_count(given, what="--pp-microbatches") if given is not None else pp
+    if pp > 1 and (gpus * nodes) % (tp * pp):
+        raise ConfigError(f"--pp {pp} stages take a device each, but --gpus {gpus} x --nodes {nodes} is "
+                          f"{gpus * nodes}; use --gpus {tp * pp}")
+    if pp == 1 and given is not None:
+        raise ConfigError("--pp-microbatches are a pipeline's; add --pp N (N >= 2), or use --accum")
+    if pp > 1 and parse_count(args.accum, what="--accum") > 1:
+        raise ConfigError(f"a pipeline accumulates its own micro-batches; use --pp-microbatches {args.accum} "
+                          "instead of --accum")
+    world = gpus * nodes // (tp * pp)
     strategy = args.strategy
     if strategy is None:
         if world > 1:
@@ -148,6 +167,9 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         world_size=world,
         nodes=nodes,
         tp=tp,
+        pp=pp,
+        pp_schedule=getattr(args, "pp_schedule", "1f1b"),
+        pp_microbatches=microbatches,
         sequence_parallel=sequence_parallel,
         dp_replicate=dp_replicate,
         cpu_offload=args.cpu_offload,

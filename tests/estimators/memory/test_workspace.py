@@ -139,9 +139,9 @@ def test_one_fit_per_precision_serves_every_checkpoint_setting(monkeypatch):
     fitted = []
     original = est_mod.measure_fit
 
-    def counted(task, config):
+    def counted(task, config, **kwargs):
         fitted.append((config.precision, config.checkpoint_segments))
-        return original(task, config)
+        return original(task, config, **kwargs)
 
     monkeypatch.setattr(est_mod, "measure_fit", counted)
     task = conv_task()

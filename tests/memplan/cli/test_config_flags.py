@@ -68,6 +68,11 @@ def test_the_flags_build_the_configuration_and_estimate_it(argv, config, write_m
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the tensor-parallel devices; add --tp"),
     (["--dp-replicate", "2", "--gpus", "4", "--strategy", "ddp"], "--dp-replicate 2 is HSDP"),
     (["--dp-replicate", "3", "--gpus", "4", "--strategy", "fsdp"], "--dp-replicate 3 does not split the 4 ranks"),
+    (["--pp", "2"], "--pp 2 stages take a device each, but --gpus 1 x --nodes 1 is 1; use --gpus 2"),
+    (["--pp-microbatches", "4"], "--pp-microbatches are a pipeline's; add --pp N"),
+    (["--pp", "2", "--gpus", "2", "--accum", "4"], "use --pp-microbatches 4 instead of --accum"),
+    (["--pp", "2", "--gpus", "2", "--pp-microbatches", "1"], "1f1b schedule needs at least as many micro-batches"),
+    (["--pp", "2", "--gpus", "4", "--strategy", "fsdp"], "pp 2 is not combined with data parallelism"),
     # The flag reaches the step's checks: the default step clips by the global norm.
     (["--optimizer-in-backward"], "optimizer_in_backward cannot clip by the global gradient norm"),
 ])
@@ -99,8 +104,32 @@ def test_tensor_parallel_flags_estimate_a_rank_of_the_split_model(write_model, c
     assert sp["peak_allocated_bytes"] < data["peak_allocated_bytes"]
 
 
+def test_pipeline_flags_estimate_the_fullest_stage(write_model, capsys) -> None:
+    from helpers.lm import ATTENTION_LM_SOURCE
+
+    path = write_model(ATTENTION_LM_SOURCE.replace("layers=3", "layers=4"))
+    code, data, err = _estimate(capsys, path, "-b", "4", "--gpus", "2", "--pp", "2", "--pp-schedule", "gpipe",
+                                "--pp-microbatches", "4")
+    assert code == 0, err
+    config = TrainConfig(micro_batch_size=4, pp=2, pp_schedule="gpipe", pp_microbatches=4)
+    assert TrainConfig.from_dict(data["config"]) == config
+    expected = Estimator(load_task(path)).shape_distribution(config, exact=True)
+    assert data["peak_allocated_bytes"] == expected.peak_allocated_bytes
+    assert any("pipeline: traced stages' peaks rank 0" in n for n in data["notes"])
+    # 1F1B holds fewer micro-batches' activations than GPipe; the default is one a stage.
+    code, f1b, err = _estimate(capsys, path, "-b", "4", "--gpus", "2", "--pp", "2")
+    assert code == 0, err
+    assert TrainConfig.from_dict(f1b["config"]) == config.replace(pp_schedule="1f1b", pp_microbatches=2)
+    code, f1b4, err = _estimate(capsys, path, "-b", "4", "--gpus", "2", "--pp", "2", "--pp-microbatches", "4")
+    assert code == 0, err
+    assert f1b4["peak_allocated_bytes"] < data["peak_allocated_bytes"]
+
+
 def test_a_probe_of_several_ranks_is_refused_in_one_line(write_model, capsys) -> None:
     path = write_model(MODEL)
     code = main(["probe", path, "-b", "4", "--gpus", "2", "--strategy", "ddp"])
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1 and "probes run one process" in err, err
+    code = main(["probe", path, "-b", "4", "--gpus", "2", "--pp", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "pp 2 needs 2" in err, err
