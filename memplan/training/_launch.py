@@ -200,6 +200,9 @@ def _launch_attempts(model_path: str | os.PathLike[str], config: TrainConfig, op
 
 def _check_launch(config: TrainConfig, spec: LaunchSpec) -> None:
     """The configuration runs on the processes the launch asks for."""
+    from ._trainer import check_trainable
+
+    check_trainable(config)  # before any process starts
     if config.ranks != spec.world_size:
         raise ConfigError(
             f"the configuration ({config.describe()}) runs on {config.ranks} processes but "

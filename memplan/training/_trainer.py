@@ -443,6 +443,7 @@ def train(
 
 def _ranks(config: TrainConfig) -> tuple[int, int]:
     """(rank, world size): one process, or the launched process group that the strategy needs."""
+    check_trainable(config)
     if config.strategy != "single" or config.ranks > 1:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
@@ -457,6 +458,14 @@ def _ranks(config: TrainConfig) -> tuple[int, int]:
             )
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def check_trainable(config: TrainConfig) -> None:
+    """Refuse, in one line, a configuration that is estimated but not trained (yet)."""
+    if config.pp > 1:
+        raise ConfigError(
+            f"pp {config.pp} is estimated (memplan estimate --pp) but not trained yet: the trainer's evaluation, "
+            "full-weight export and resume do not run on pipeline stages; train a configuration without pp")
 
 
 def _check_task(task: Task, options: TrainOptions) -> None:

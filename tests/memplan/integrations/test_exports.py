@@ -156,3 +156,12 @@ def test_a_layout_the_tools_cannot_express_is_refused_with_the_way_to_train_it(c
                                               rf"--nproc {config.ranks}") as info:
             emit(plan, tool)
         assert said in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_pipeline_plan_is_refused_by_every_export() -> None:
+    config = TrainConfig(micro_batch_size=2, pp=2, pp_microbatches=4)
+    plan = plan_of(config, global_batch=config.global_batch)
+    for tool in TOOLS:
+        with pytest.raises(ConfigError, match="cuts the model into pp 2 pipeline stages") as info:
+            emit(plan, tool)
+        assert "\n" not in str(info.value)
