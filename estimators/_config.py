@@ -176,9 +176,10 @@ class TrainConfig:
 
     @property
     def shards_parameters(self) -> bool:
-        """Are the parameters DTensor shards (FSDP2, tensor parallelism)? Then state dicts,
-        checkpoints and evaluation go through ``torch.distributed``'s sharded paths."""
-        return self.strategy == "fsdp" or self.tp > 1
+        """Are the parameters DTensor shards (FSDP2, tensor parallelism), or a pipeline stage's
+        part of the model? Then state dicts, checkpoints and evaluation go through
+        ``torch.distributed``'s sharded paths."""
+        return self.strategy == "fsdp" or self.tp > 1 or self.pp > 1
 
     @property
     def shard_size(self) -> int:

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 
     from ._step import StepHooks
 
-__all__ = ["VIRTUAL_STAGES", "PipelinedModel", "build_pipeline", "pipeline_inputs", "stage_cuts", "stage_count",
-           "traced_ranks"]
+__all__ = ["VIRTUAL_STAGES", "PipelinedModel", "StageModules", "build_pipeline", "pipeline_inputs", "stage_cuts",
+           "stage_count", "traced_ranks"]
 
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
 """Stages each process holds, per schedule (looped: process ``r`` holds stages ``r``, ``r + pp``)."""
@@ -106,7 +106,12 @@ class PipelinedModel(nn.Module):
                  label_smoothing: float = 0.0) -> None:
         super().__init__()
         self.stages = stages
-        self.modules_ = nn.ModuleList([s.submod for s in stages])
+        self.modules_ = StageModules([s.submod for s in stages])
+        self.n_stages = pp * len(stages)
+        self.micro_batch = 1
+        """The micro-batch size the stages were exported at."""
+        self.has_dropout = False
+        """Did the model hold dropout? The export fixed it on (training mode), evaluation too."""
         self.schedule: Any = None
         self.label_smoothing = label_smoothing
         """The default loss's (the step's options set it: ``_step.make_step_parts``)."""
@@ -118,8 +123,42 @@ class PipelinedModel(nn.Module):
         self.is_first = any(s.is_first for s in stages)
         self.is_last = any(s.is_last for s in stages)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - the schedule runs the stages
-        raise RuntimeError("a pipelined model runs through its schedule (PipelinedModel.run), not a forward call")
+    @torch.no_grad()
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """The whole model's output for ``inputs`` (evaluation; training runs :meth:`run`), on
+        every process: the stages run one after the other, each process its own, passing their
+        outputs on (their shapes first: an evaluation batch may be smaller than a micro-batch);
+        the last stage's output is broadcast."""
+        import torch.distributed as dist
+
+        group, pp = self.group, self.pp
+        mine = {s.stage_index: s for s in self.stages}
+        values: tuple[Any, ...] = inputs if isinstance(inputs, tuple) else (inputs,)
+        # The stages were exported at one micro-batch's shapes: a smaller batch is padded with
+        # copies of its first item, and the output cut back to it.
+        n = int(values[0].shape[0])
+        values = tuple(_padded(v, self.micro_batch) for v in values)
+        device = next((p.device for p in self.modules_.parameters()), torch.device("cpu"))
+        for index in range(self.n_stages):
+            owner, before = index % pp, (index - 1) % pp
+            if index > 0 and owner != before:
+                if self.rank == before:
+                    _send(values, owner, group)
+                    values = ()
+                elif self.rank == owner:
+                    values = _recv(before, group, device)
+            if self.rank == owner:
+                out = mine[index].submod(*values)
+                values = out if isinstance(out, tuple) else (out,)
+        last = (self.n_stages - 1) % pp
+        output: torch.Tensor = values[0] if self.rank == last else torch.empty(0)
+        meta: list[Any] = [(tuple(output.shape), output.dtype) if self.rank == last else None]
+        dist.broadcast_object_list(meta, group_src=last, group=group)
+        shape, dtype = meta[0]
+        if self.rank != last:
+            output = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(output, group_src=last, group=group)
+        return output[:n]
 
     def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The default loss on the last stage's output, shaped as ``default_logits_and_targets``
@@ -161,6 +200,66 @@ class PipelinedModel(nn.Module):
 
         if self.group is not None and self.pp > 1:
             dist.broadcast(loss_sum, group_src=self.pp - 1, group=self.group)
+
+
+class StageModules(nn.Module):
+    """A process's stages' parameters and buffers under the names they have in the model
+    (``layers.3.attn.q_proj.weight``), the same tensors the stages train: its state dict is the
+    model's, restricted to the stages, whatever the cut."""
+
+    def __init__(self, submods: Sequence[nn.Module]) -> None:
+        super().__init__()
+        for sub in submods:
+            for name, param in sub.named_parameters():
+                _place(self, name, param, persistent=True)
+            for name, buf in sub.named_buffers():
+                owner, _, leaf = name.rpartition(".")
+                holder = sub.get_submodule(owner) if owner else sub
+                _place(self, name, buf, persistent=leaf not in holder._non_persistent_buffers_set)
+
+    def forward(self, *args: Any) -> Any:  # pragma: no cover - a holder of tensors, run by the stages
+        raise RuntimeError("a pipeline's stage modules run through the pipeline")
+
+
+def _place(root: nn.Module, name: str, tensor: torch.Tensor, *, persistent: bool) -> None:
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        if part not in module._modules:
+            module.add_module(part, nn.Module())
+        module = module._modules[part]  # type: ignore[assignment]
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(leaf, tensor)
+    else:
+        module.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def _padded(t: Any, size: int) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] >= size:
+        return t
+    return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])
+
+
+def _send(values: tuple[Any, ...], dst: int, group: Any) -> None:
+    import torch.distributed as dist
+
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    dist.send_object_list([[(tuple(t.shape), t.dtype) for t in tensors]], group_dst=dst, group=group)
+    for t in tensors:
+        dist.send(t.contiguous(), group_dst=dst, group=group)
+
+
+def _recv(src: int, group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    import torch.distributed as dist
+
+    meta: list[Any] = [None]
+    dist.recv_object_list(meta, group_src=src, group=group)
+    out = []
+    for shape, dtype in meta[0]:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, group_src=src, group=group)
+        out.append(t)
+    return tuple(out)
 
 
 def _announced(method: Callable[..., Any], hooks: StepHooks, prefix: str, kind: str) -> Callable[..., Any]:
@@ -247,6 +346,8 @@ def build_pipeline(model: nn.Module, config: TrainConfig, example: Any, *, finde
 
     piped = PipelinedModel(stages, group=group if group is not None else dist.group.WORLD, rank=rank, pp=config.pp)
     piped.send_bytes = max(sent, default=0)
+    piped.micro_batch = config.micro_batch_size
+    piped.has_dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
     m = config.pp_microbatches
     if config.pp_schedule == "interleaved-1f1b":
         piped.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=piped.loss)

@@ -49,7 +49,7 @@ def layout(plan: Plan) -> Layout:
     if c.pp > 1:
         raise ConfigError(
             f"the plan cuts the model into pp {c.pp} pipeline stages ({c.describe()}), which this export cannot "
-            "express (and memplan does not train pipelines yet); plan without pp to export")
+            f"express; train it with memplan train MODEL.py --plan plan.json --nproc {c.ranks}")
     if c.tp > 1:
         raise ConfigError(
             f"the plan splits the model over tp {c.tp} (tensor parallelism: {c.describe()}), which this export "

@@ -368,9 +368,12 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None 
 
 
 def layout_key(config: TrainConfig) -> str:
-    """The study's name for the layout ``config`` runs on."""
-    return Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
-                  config.dp_replicate).key
+    """The study's name for the layout ``config`` runs on (a pipeline's: ``pp 4 1f1b``)."""
+    key = Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
+                 config.dp_replicate).key
+    if config.pp > 1:
+        return f"pp {config.pp} {config.pp_schedule}" + ("" if key == "single" else f" x {key}")
+    return key
 
 
 def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:

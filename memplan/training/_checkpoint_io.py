@@ -215,15 +215,19 @@ def save_sharded(
     path: str | os.PathLike[str],
     *,
     extra: dict[str, Any] | None = None,
+    flatten: bool = False,
 ) -> None:
     """Every rank writes its shards of the model, the optimizer state and ``extra`` (dicts of
     tensors, e.g. EMA weights) into the folder ``path`` with ``torch.distributed.checkpoint``
     (a collective: all ranks call it). Keys are parameter names, so the folder loads into any
-    layout: another world size, or a plain module in one process (:func:`load_sharded`)."""
+    layout: another world size, or a plain module in one process (:func:`load_sharded`).
+    ``flatten``: the optimizer's parameter groups are kept per parameter (a pipeline's ranks
+    each hold other parameters: one list of groups for all of them would be one rank's)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     dcp.save({"model": model_state, "optimizer": optim_state, **(extra or {})}, checkpoint_id=Path(path))
 
 
@@ -241,16 +245,18 @@ def load_sharded(
     that does not load raises :class:`DamagedCheckpointError` in one line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     target = Path(path)
     if not target.is_dir():
         raise FileNotFoundError(f"sharded checkpoint folder {target} is missing")
     metadata = read_sharded_metadata(target)  # before DCP reads anything
     reader_type, planner_type = _safe_dcp_types()
+    # Written with the groups per parameter (save_sharded's flatten) or as one list.
+    options = StateDictOptions(flatten_optimizer_state_dict="optimizer.param_groups" not in metadata.state_dict_metadata)
     # get_state_dict creates the optimizer's state (with a zero learning rate) so that DCP has
     # tensors of the right shapes to load into.
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state, **(extra or {})}
     try:
         with warnings.catch_warnings():
@@ -267,7 +273,8 @@ def load_sharded(
             f"the sharded checkpoint {target} could not be loaded ({type(cause).__name__}: {_first_line(cause)}); "
             "resume with the model and optimizer that wrote it, or train into another --out"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
 
 
 _SHARDED_NAME = re.compile(r"step-[0-9]{8,}-[0-9a-f]{8}")

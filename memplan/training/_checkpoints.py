@@ -146,7 +146,7 @@ class CheckpointManager:
         if is_main:
             root.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        save_sharded(self.model, self.optimizer, tmp, extra=self._sharded_extra())
+        save_sharded(self.model, self.optimizer, tmp, extra=self._sharded_extra(), flatten=self.ladder.config.pp > 1)
         dist.barrier()  # every rank's shards are on disk
         if is_main:
             os.replace(tmp, final)

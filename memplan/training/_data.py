@@ -193,7 +193,8 @@ class TrainData:
                 f"(memplan plan --global-batch {self.n_train})")
         self.sampler = _EpochBatches(self.n_train, config.micro_batch_size, opts.seed,
                                      global_batch=config.global_batch, rank=self.rank, world_size=self.world_size,
-                                     drop_last=opts.drop_last)
+                                     # A pipeline step runs whole windows only (its schedule's micro-batches).
+                                     drop_last=opts.drop_last or config.pp > 1)
         if self.sampler.n_epoch == 0:
             raise ConfigError(
                 f"TrainOptions.drop_last leaves no step: {task.name} has {self.n_train} training items, fewer than "

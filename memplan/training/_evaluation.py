@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from estimators import ConfigError, default_logits_and_targets, default_loss, to_device
+from estimators.runtime._pipeline import PipelinedModel
 
 from ._checkpoint_io import load_checkpoint, save_checkpoint
 
@@ -70,7 +71,9 @@ class Evaluator:
         # ranks with fewer validation batches would not join). FSDP2: the sharded module, whose
         # forward all-gathers, so every rank runs as many forward passes (see the padding below).
         # Compiled single-device runs evaluate the compiled module.
-        eval_model = self.model if self.ranks.distributed else self.forward_model
+        # A pipeline: its stages, run one after the other, give every rank the output.
+        eval_model = (self.model if self.ranks.distributed and not isinstance(self.forward_model, PipelinedModel)
+                      else self.forward_model)
         self.model.eval()
         swap = self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
         try:
@@ -200,11 +203,19 @@ class Evaluator:
         state = _full_tensors(self.model.state_dict())
         if self.ema is not None:
             state.update(_full_tensors(self.ema.shadow))
+        if isinstance(self.forward_model, PipelinedModel):
+            # Each rank holds its stages' part: the whole model is every rank's parts.
+            parts: list[Any] = [None] * self.forward_model.pp
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=self.forward_model.group)
+            state = {k: v.to(self.device) for part in parts for k, v in part.items()}
         return state
 
     def _load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Full (unsharded) weights into the model, whatever its strategy."""
-        if self.sharded:
+        if isinstance(self.forward_model, PipelinedModel):
+            own = self.model.state_dict()
+            self.model.load_state_dict({k: v for k, v in state.items() if k in own})  # this rank's stages
+        elif self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))

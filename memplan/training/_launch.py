@@ -200,17 +200,14 @@ def _launch_attempts(model_path: str | os.PathLike[str], config: TrainConfig, op
 
 def _check_launch(config: TrainConfig, spec: LaunchSpec) -> None:
     """The configuration runs on the processes the launch asks for."""
-    from ._trainer import check_trainable
-
-    check_trainable(config)  # before any process starts
     if config.ranks != spec.world_size:
         raise ConfigError(
             f"the configuration ({config.describe()}) runs on {config.ranks} processes but "
             f"{spec.nproc_per_node} x {spec.nnodes} node(s) = {spec.world_size} were asked for; "
             f"use --nproc {config.ranks} or plan for {spec.world_size}"
         )
-    if config.strategy == "single" and config.tp == 1:
-        raise ConfigError("strategy 'single' runs in this process; launch only ddp, fsdp or tp configurations")
+    if config.strategy == "single" and config.tp == 1 and config.pp == 1:
+        raise ConfigError("strategy 'single' runs in this process; launch only ddp, fsdp, tp or pp configurations")
     if config.nodes != spec.nnodes:
         log.warning(
             "the configuration was planned for %d machine(s) and runs on %d: its predicted step time "

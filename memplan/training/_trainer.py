@@ -108,7 +108,7 @@ class Trainer:
         self.metrics_path = options.metrics_path or self.out_dir / "metrics.jsonl"
         # The parts that need no model; the others are made by _setup, inside the guard.
         self.ranks = RankAgreement(self.rank, self.world_size, strategy=config.strategy, device=self.device,
-                                   replicas=self.world_size // config.tp)
+                                   replicas=self.world_size // (config.tp * config.pp))
         self.signals = StopSignals()
         self.phase = Phase(memory_guard)
         self.peak = PeakMemory(self.device, memory_guard)
@@ -256,9 +256,10 @@ class Trainer:
 
     def _setup_data(self) -> None:
         """Datasets and loaders, first and outside the memory guard (see :class:`TrainData`)."""
-        # The ``tp`` ranks of a replica (neighbours: rank // tp is the replica) see one batch.
+        # The ``tp * pp`` ranks of a replica (neighbours: rank // (tp * pp) is the replica) see one batch.
+        model_ranks = self.config.tp * self.config.pp
         self.data = TrainData(self.task, self.config, self.options, device=self.device,
-                              rank=self.rank // self.config.tp, world_size=self.world_size // self.config.tp)
+                              rank=self.rank // model_ranks, world_size=self.world_size // model_ranks)
 
     def _setup(self) -> None:
         """Model, optimizer, precision, EMA, schedule, the counters and the parts, inside the guard."""
@@ -275,6 +276,13 @@ class Trainer:
         device_ids = [self.device.index] if self.device.type == "cuda" and self.device.index is not None else None
         self._built = build_for_training(task, config, self.device, compile=opts.compile, device_ids=device_ids)
         self.model = self._built.model
+        if config.pp > 1 and task.shapes().varying:
+            raise ConfigError(f"{task.name}'s items vary in shape, and a pipeline's stages run the shapes they were "
+                              "cut at; pad the items to one shape to train with pp, or train without pp")
+        if getattr(self._built.wrapped, "has_dropout", False) and self.data.val_loader is not None:
+            # The stages are the forward exported in training mode: dropout stays on in them.
+            raise ConfigError(f"{task.name} has dropout, which a pipeline's stages keep on in evaluation; set its "
+                              "probability to 0 to train with pp, or train without pp")
 
         # After sharding: FSDP2 replaces the parameters by DTensors, which the optimizer must hold.
         # (Stepped in backward, one parameter at a time, with TrainConfig.optimizer_in_backward.)
@@ -443,7 +451,6 @@ def train(
 
 def _ranks(config: TrainConfig) -> tuple[int, int]:
     """(rank, world size): one process, or the launched process group that the strategy needs."""
-    check_trainable(config)
     if config.strategy != "single" or config.ranks > 1:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
@@ -458,14 +465,6 @@ def _ranks(config: TrainConfig) -> tuple[int, int]:
             )
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def check_trainable(config: TrainConfig) -> None:
-    """Refuse, in one line, a configuration that is estimated but not trained (yet)."""
-    if config.pp > 1:
-        raise ConfigError(
-            f"pp {config.pp} is estimated (memplan estimate --pp) but not trained yet: the trainer's evaluation, "
-            "full-weight export and resume do not run on pipeline stages; train a configuration without pp")
 
 
 def _check_task(task: Task, options: TrainOptions) -> None:

@@ -513,17 +513,3 @@ def test_metrics_log_is_complete_after_a_signal_and_after_an_error(tmp_path: Pat
     records = steps_of(tmp_path / "err")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["loss"] == "nan"
 
-
-def test_a_pipeline_configuration_is_refused_before_anything_runs(write_model, tmp_path: Path) -> None:
-    from helpers.lm import ATTENTION_LM_SOURCE
-
-    from memplan.training import LaunchSpec, launch_training
-
-    path = write_model(ATTENTION_LM_SOURCE)
-    config = TrainConfig(micro_batch_size=2, pp=2, pp_microbatches=2)
-    with pytest.raises(ConfigError, match="pp 2 is estimated .* but not trained yet"):
-        train(load_task(path), config, TrainOptions(out_dir=tmp_path / "one", progress=False))
-    with pytest.raises(ConfigError, match="pp 2 is estimated .* but not trained yet"):
-        launch_training(path, config, TrainOptions(out_dir=tmp_path / "two", progress=False),
-                        spec=LaunchSpec(nproc_per_node=2, timeout_s=30))
-    assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
