@@ -148,7 +148,7 @@ def _not_evaluated(task: Task, estimator: Estimator, entries: list[PlanEntry], t
         return "the probes are replaced, the compiled measurement is not"
     if task.step.compile:
         return "the step is compiled as asked: every probe measured the compiled step"
-    if not entries or any(e.config.strategy != "single" or e.config.tp > 1 for e in entries[:top]):
+    if not entries or any(e.config.strategy != "single" or e.config.ranks > 1 for e in entries[:top]):
         return "a probe runs one process"
     return None
 

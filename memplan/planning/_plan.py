@@ -272,7 +272,7 @@ class Plan:
             if self.global_batch is not None and c.global_batch != self.global_batch:
                 raise ConfigError(
                     f"entry #{rank} ({c.describe()}) makes a global batch of {c.global_batch} (micro-batch "
-                    f"{c.micro_batch_size} x {c.grad_accum_steps} accumulation x {c.world_size} "
+                    f"{c.micro_batch_size} x {c.micro_batches} accumulation x {c.world_size} "
                     f"process{'es' if c.world_size != 1 else ''}), not the "
                     f"plan's global batch of {self.global_batch}; {_RECREATE}")
             for what, est in (("predicted", e.predicted), ("measured", e.measured)):
@@ -420,7 +420,7 @@ class Plan:
                 [
                     rank,
                     c.micro_batch_size,
-                    c.grad_accum_steps,
+                    c.micro_batches,  # a pipeline's micro-batches are its accumulation
                     c.precision,
                     f"{c.checkpoint_segments} {c.checkpoint_policy}"
                     if c.checkpoint_policy != "full"

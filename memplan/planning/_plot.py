@@ -32,7 +32,7 @@ class PlanPoint:
 
 
 def _label(config: Any) -> str:
-    layout = "" if config.strategy == "single" and config.tp == 1 else " " + layout_key(config)
+    layout = "" if config.strategy == "single" and config.ranks == 1 else " " + layout_key(config)
     return (f"{config.micro_batch_size}x{config.grad_accum_steps} {config.precision} "
             f"ckpt{config.checkpoint_segments}{layout}")
 

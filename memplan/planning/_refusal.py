@@ -62,7 +62,8 @@ class StateFloor:
         # Tensor parallelism splits the block linears over its ranks (the rest is replicated):
         # at most 1/tp of the states per rank, 1/ranks under FSDP2 too (a shard group's
         # under HSDP) -- a bound.
-        return total // (config.shard_size * config.tp)
+        # A pipeline's stage holds its blocks' part (``1/pp`` of the stack, at best).
+        return total // (config.shard_size * config.tp * config.pp)
 
     def device(self, config: TrainConfig) -> int:
         if config.cpu_offload:

@@ -50,6 +50,7 @@ from ._space import (
     frugal_space,
     layouts_for,
     optimizer_in_backward_excluded,
+    pipeline_layouts,
     space_for,
     tensor_parallel_layouts,
 )
@@ -231,6 +232,10 @@ def search(
     tp_layouts, tp_refused = tensor_parallel_layouts(space, task, blocks_model)
     if tp_refused is not None:
         notes.append(f"tensor parallelism was not searched: {tp_refused}")
+    pp_layouts, pp_refused = pipeline_layouts(space, task, blocks_model)
+    if pp_refused is not None:
+        notes.append(f"pipeline parallelism was not searched: {pp_refused}")
+    tp_layouts = (*tp_layouts, *pp_layouts)
     frugal = frugal_space(space, estimator, precisions_pinned=precisions is not None, tp_layouts=tp_layouts)
     floor = state_floor(task, blocks_model)
     host_limit = host_budget_for(host_memory) if estimator.device == "cuda" else None
@@ -247,7 +252,7 @@ def search(
         probe_top > 0
         and probe_fn is None
         and can_probe(estimator, gpu)
-        and all(layout.strategy == "single" for layout in space.layouts)
+        and all(layout.strategy == "single" and layout.ranks == 1 for layout in space.layouts)
     ):
         # The probe server imports torch while the estimates run, not when the first probe
         # waits — after the machine's rates are known: measuring them while the server's
@@ -297,7 +302,7 @@ def search(
         notes.append("distributed configurations are ranked by prediction: a probe runs one process")
     # The measured part is budgeted against the predicted training time (its clock starts here).
     effort = MeasuredBudget(search_effort, training_seconds(task, entries[0], space.global_batch))
-    if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" and e.config.tp == 1
+    if probe_top > 0 and can_probe(estimator, gpu) and all(e.config.strategy == "single" and e.config.ranks == 1
                                                             for e in entries):
         # Configurations whose step raised when run for real join those that could not be traced.
         entries, probe_notes = probe_best(task, estimator, entries, probe_top, limit, probe_fn, race_fn, failed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import SupportsIndex
+from typing import Any, SupportsIndex
 
 import torch.nn as nn
 
@@ -38,6 +38,7 @@ __all__ = [
     "layout_key",
     "space_for",
     "tensor_parallel_layouts",
+    "pipeline_layouts",
 ]
 
 MAX_KERNEL_BATCH = 65535
@@ -63,15 +64,21 @@ class Layout:
     sequence_parallel: bool = False
     dp_replicate: int = 1
     """HSDP's replica groups (``strategy='fsdp'``); 1: plain FSDP2."""
+    pp: int = 1
+    """Pipeline stages, one a process (``TrainConfig.pp``)."""
+    pp_schedule: str = "1f1b"
 
     @property
     def ranks(self) -> int:
-        return self.world_size * self.tp
+        return self.world_size * self.tp * self.pp
 
     @property
     def key(self) -> str:
         """The layout's name in the Optuna study ("single", "ddp x8", "fsdp x16 on 2 nodes",
-        "tp 8", "fsdp x4 x tp 2 sp": "sp" for sequence parallel; "hsdp 2 x 8 on 2 nodes")."""
+        "tp 8", "fsdp x4 x tp 2 sp": "sp" for sequence parallel; "hsdp 2 x 8 on 2 nodes";
+        "pp 4 1f1b")."""
+        if self.pp > 1:
+            return f"pp {self.pp} {self.pp_schedule}"
         nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
         if self.dp_replicate > 1:
             return f"hsdp {self.dp_replicate} x {self.world_size // self.dp_replicate}{nodes}"
@@ -103,7 +110,8 @@ class CpuOffload(Technique):
     configuration stays as it is)."""
 
     def apply(self, config: TrainConfig) -> TrainConfig:
-        if config.strategy == "ddp" or config.optimizer_in_backward or config.tp > 1 or config.dp_replicate > 1:
+        if (config.strategy == "ddp" or config.optimizer_in_backward or config.tp > 1 or config.dp_replicate > 1
+                or config.pp > 1):
             return config
         return config.replace(strategy="fsdp", cpu_offload=True)
 
@@ -158,9 +166,17 @@ class SearchSpace:
             layout = self.layouts[0]
         elif isinstance(layout, str):
             layout = self.layout(layout)
+        accum = self.accum_for(micro, layout.world_size)
+        pipeline: dict[str, Any] = {}
+        if layout.pp > 1:
+            # The pipeline's micro-batches are its accumulation. Fewer than its stages, 1F1B's
+            # warm-up holds all of them, as GPipe does: the library runs it as GPipe.
+            schedule = layout.pp_schedule if accum >= layout.pp else "gpipe"
+            pipeline = {"pp": layout.pp, "pp_schedule": schedule, "pp_microbatches": accum}
+            accum = 1
         config = TrainConfig(
             micro_batch_size=micro,
-            grad_accum_steps=self.accum_for(micro, layout.world_size),
+            grad_accum_steps=accum,
             precision=normalize_precision(precision),  # a study's parameter: a string
             checkpoint_segments=segments,
             strategy=layout.strategy,
@@ -170,6 +186,7 @@ class SearchSpace:
             sequence_parallel=layout.sequence_parallel,
             dp_replicate=layout.dp_replicate,
             length_grouped=grouped,
+            **pipeline,
         )
         return (self.technique(technique) if isinstance(technique, str) else technique).apply(config)
 
@@ -369,11 +386,8 @@ def layouts_for(gpus: int = 1, nodes: int = 1, strategies: Sequence[str] | None 
 
 def layout_key(config: TrainConfig) -> str:
     """The study's name for the layout ``config`` runs on (a pipeline's: ``pp 4 1f1b``)."""
-    key = Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
-                 config.dp_replicate).key
-    if config.pp > 1:
-        return f"pp {config.pp} {config.pp_schedule}" + ("" if key == "single" else f" x {key}")
-    return key
+    return Layout(config.strategy, config.world_size, config.nodes, config.tp, config.sequence_parallel,
+                  config.dp_replicate, config.pp, config.pp_schedule).key
 
 
 def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:
@@ -410,6 +424,25 @@ def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) ->
         out += [Layout("single", 1, 1, tp, sp) if replicas == 1 else Layout("fsdp", replicas, nodes, tp, sp)
                 for sp in modes]
     return tuple(out), (why if not out else None)
+
+
+def pipeline_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:
+    """The pipeline layout of ``space``'s devices: all the devices of one machine, one stage
+    each, under 1F1B (a pipeline alone: data parallelism over pipelines is not combined yet);
+    and why there is none, when the model cannot be cut into that many stages."""
+    from estimators import default_loss
+    from estimators.runtime._checkpoint import find_block_stack
+
+    spread = [layout for layout in space.layouts if layout.ranks > 1 and layout.tp == 1 and layout.dp_replicate == 1]
+    if not spread or spread[0].nodes > 1:
+        return (), None
+    pp = spread[0].ranks
+    blocks = len(find_block_stack(model, task.checkpoint_blocks))
+    if blocks < pp:
+        return (), f"the block stack has {blocks} blocks, fewer than the {pp} stages of a pipeline over the devices"
+    if task.loss_fn is not default_loss:
+        return (), "pipeline stages run the default loss, and the model file defines its own"
+    return (Layout("single", 1, 1, pp=pp),), None
 
 
 def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Precision, ...]:
