@@ -252,8 +252,12 @@ def load_sharded(
         raise FileNotFoundError(f"sharded checkpoint folder {target} is missing")
     metadata = read_sharded_metadata(target)  # before DCP reads anything
     reader_type, planner_type = _safe_dcp_types()
-    # Written with the groups per parameter (save_sharded's flatten) or as one list.
-    options = StateDictOptions(flatten_optimizer_state_dict="optimizer.param_groups" not in metadata.state_dict_metadata)
+    # Written with the groups per parameter (save_sharded's flatten) or as one list, whose
+    # groups name their parameters (``optimizer.param_groups.0.params``).
+    keys = metadata.state_dict_metadata
+    grouped = any(k.startswith("optimizer.param_groups.") for k in keys)
+    listed = any(re.fullmatch(r"optimizer\.param_groups\.\d+\.params", k) for k in keys)
+    options = StateDictOptions(flatten_optimizer_state_dict=grouped and not listed)
     # get_state_dict creates the optimizer's state (with a zero learning rate) so that DCP has
     # tensors of the right shapes to load into.
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
