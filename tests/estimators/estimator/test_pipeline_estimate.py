@@ -28,6 +28,11 @@ def lm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
+def estimator(lm_path: str) -> Estimator:
+    return Estimator(load_task(lm_path), device="cpu")  # its workspace fits, measured once
+
+
+@pytest.fixture(scope="module")
 def measured(lm_path: str):
     return dict(zip(PIPELINES, measure_distributed_peaks(lm_path, PIPELINES)))
 
@@ -58,8 +63,8 @@ def test_each_stage_trace_matches_its_real_gloo_rank(config, lm_path, measured):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("config", PIPELINES, ids=[c.pp_schedule for c in PIPELINES])
-def test_the_estimate_is_the_fullest_rank(config, lm_path, measured):
-    est = Estimator(load_task(lm_path), device="cpu").estimate(config, exact=True)
+def test_the_estimate_is_the_fullest_rank(config, estimator, measured):
+    est = estimator.estimate(config, exact=True)
     assert est.method == "traced"
     fullest = max(m.peak_bytes for m in measured[config])
     assert est.peak_allocated_bytes * 0.99 <= fullest <= est.peak_allocated_bytes * 1.01

@@ -29,7 +29,7 @@ def test_the_bubble_is_the_schedules_and_the_transfers_hide_but_for_fill_and_dra
 @pytest.mark.timeout(120)
 def test_a_pipeline_estimate_runs_at_its_stages_pace_plus_the_bubble(write_model) -> None:
     path = write_model(ATTENTION_LM_SOURCE.replace("layers=3", "layers=4").replace("d=64, n_heads=4",
-                                                                                    "d=256, n_heads=8"))
+                                                                                    "d=128, n_heads=8"))
     est = Estimator(load_task(path), gpu="H100-80GB")
     whole = est.estimate(TrainConfig(micro_batch_size=4, grad_accum_steps=8, precision="bf16-mixed"), exact=True)
     piped = {s: est.estimate(TrainConfig(micro_batch_size=4, pp=2, pp_schedule=s, pp_microbatches=8,

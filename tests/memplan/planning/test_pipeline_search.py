@@ -50,7 +50,7 @@ def test_a_pipeline_is_planned_when_nothing_else_fits(write_model) -> None:
     # FSDP2 x 2 needs 12.3 MB at its smallest (micro-batch 1), a pipeline's fuller stage 11.5 MB.
     budget = 13_200_000
     plan = search(task, vram=str(budget), device="cpu", gpus=2, global_batch=8, probe_top=0, trials=30,
-                  precisions=["fp32"], checkpoint_segments=[0])
+                  precisions=["fp32"], checkpoint_segments=[0], micro_batch_sizes=[1, 2])
     assert plan.best.config.pp == 2, plan.table()
     assert plan.best.config.global_batch == 8
     assert plan.best.predicted.peak_bytes <= budget
