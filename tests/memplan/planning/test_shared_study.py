@@ -41,6 +41,9 @@ class Net(nn.Module):
 
     def forward(self, x):
         FORWARDS[0] += 1
+        started = os.environ.get("NET_STARTED_MARKER")
+        if started:
+            open(started, "w").close()
         marker = os.environ.get("NET_HANG_MARKER")
         if marker and FORWARDS[0] >= int(os.environ.get("NET_HANG_AFTER", "1")):
             open(marker, "w").close()
@@ -151,10 +154,17 @@ def test_three_processes_one_killed_mid_trial_its_trial_retried(net_file, one_pr
     outs = [tmp_path / f"w{i}.json" for i in range(3)]
     # This one hangs in its second trace (a trace runs the model twice): it has answered a
     # configuration or so, and holds the claim of the one it was tracing.
+    started = tmp_path / "started"
     killed = _worker(net_file, postgres_url, outs[0], NET_FORWARD_SLEEP="0.1", NET_HANG_MARKER=str(marker),
-                     NET_HANG_AFTER="3")
-    workers = [_worker(net_file, postgres_url, out, NET_FORWARD_SLEEP="0.1") for out in outs[1:]]
+                     NET_HANG_AFTER="3", NET_STARTED_MARKER=str(started))
+    # The others start once it traces: started together on a busy machine, they could answer
+    # every configuration before it reached its second trace.
     deadline = time.monotonic() + 120
+    while not started.exists():
+        assert killed.poll() is None, outs[0].with_suffix(".log").read_text()
+        assert time.monotonic() < deadline, "the process to kill never reached a trace"
+        time.sleep(0.05)
+    workers = [_worker(net_file, postgres_url, out, NET_FORWARD_SLEEP="0.1") for out in outs[1:]]
     while not marker.exists():  # the process is inside a trial's trace
         assert killed.poll() is None, outs[0].with_suffix(".log").read_text()
         assert time.monotonic() < deadline, "the process to kill never reached a trace"
