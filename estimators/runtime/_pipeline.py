@@ -163,9 +163,9 @@ class PipelinedModel(nn.Module):
     def loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The default loss on the last stage's output, shaped as ``default_logits_and_targets``
         shapes it (sequence outputs flattened)."""
-        if out.dim() >= 3 and targets.dim() == out.dim() - 1 and tuple(targets.shape) == tuple(out.shape[:-1]):
-            out, targets = out.flatten(0, -2), targets.flatten()
-        return F.cross_entropy(out, targets, label_smoothing=self.label_smoothing)
+        from ..task._task import loss_shapes
+
+        return F.cross_entropy(*loss_shapes(out, targets), label_smoothing=self.label_smoothing)
 
     def run(self, inputs: Any, targets: torch.Tensor | None) -> list[torch.Tensor]:
         """One pipeline step over the micro-batches of ``inputs``/``targets`` (split on their

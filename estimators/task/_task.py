@@ -87,7 +87,12 @@ def default_logits_and_targets(model: nn.Module, batch: Batch) -> tuple[torch.Te
             "`def loss(model, batch): ...` in the model file for other batch layouts"
         )
     inputs, targets = batch
-    out = model(inputs)
+    return loss_shapes(model(inputs), targets)
+
+
+def loss_shapes(out: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``targets`` as the default loss takes them: sequence outputs ``(B, T, C)``
+    with targets ``(B, T)`` flattened, anything else as is."""
     if (
         out.dim() >= 3
         and targets.dim() == out.dim() - 1

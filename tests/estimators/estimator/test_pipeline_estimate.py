@@ -8,7 +8,7 @@ from helpers.lm import ATTENTION_LM_SOURCE
 
 from estimators import Estimator, TrainConfig, load_task
 from estimators.probing._measure import measure_distributed_peaks
-from estimators.tracing._trace import trace_step
+from estimators.tracing._trace import _event_peak, trace_step
 
 pytestmark = pytest.mark.distributed
 
@@ -37,18 +37,11 @@ def measured(lm_path: str):
     return dict(zip(PIPELINES, measure_distributed_peaks(lm_path, PIPELINES)))
 
 
-def _events_peak(trace) -> int:
-    import numpy as np
-
-    signed = trace.alloc_bytes[trace.event_alloc] * trace.event_sign.astype(np.int64)
-    return int(np.cumsum(signed).max())
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("config", PIPELINES, ids=[c.pp_schedule for c in PIPELINES])
 def test_each_stage_trace_matches_its_real_gloo_rank(config, lm_path, measured):
     task = load_task(lm_path)
-    peaks = [_events_peak(trace_step(task, config, stage=rank)) for rank in range(config.pp)]
+    peaks = [_event_peak(trace_step(task, config, stage=rank)) for rank in range(config.pp)]
     for rank, (predicted, real) in enumerate(zip(peaks, measured[config])):
         # fp32 ranks measured their traces to the byte (the checkpointed bf16 ranks' oneDNN
         # scratch is the estimate's workspace, not the trace's events).
