@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -213,7 +214,15 @@ def tagged_blocks(rec: Recorder, blocks: Sequence[nn.Module], wrapped: nn.Module
     if ddp is not None:
         ddp.observer = _BucketTags(tags, owners or {})
         ddp.observer.views(ddp.views())
-    outputs: set[int] = set()
+    # The blocks' outputs so far, by id, each with a weak reference that proves it is still that
+    # tensor: a dead output's id is soon another tensor's (the next micro-batch's input to the
+    # first block, at whatever address the process's history gives it), which would lose the
+    # hook that ends the first block's backward.
+    outputs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def _is_output(t: torch.Tensor) -> bool:
+        ref = outputs.get(id(t))
+        return ref is not None and ref() is t
 
     def set_block(i: int) -> None:
         tags.enter(i)
@@ -223,7 +232,7 @@ def tagged_blocks(rec: Recorder, blocks: Sequence[nn.Module], wrapped: nn.Module
             tags.enter(i)
             if i == 0:
                 t = _first_grad_tensor((args, kwargs))
-                if t is not None and id(t) not in outputs:
+                if t is not None and not _is_output(t):
                     t.register_hook(lambda _g: set_block(-1))
         return hook
 
@@ -231,7 +240,7 @@ def tagged_blocks(rec: Recorder, blocks: Sequence[nn.Module], wrapped: nn.Module
         def hook(module: nn.Module, args: object, kwargs: object, output: object) -> None:
             t = _first_grad_tensor(output)
             if t is not None:
-                outputs.add(id(t))
+                outputs[id(t)] = weakref.ref(t)
                 t.register_hook(lambda _g: set_block(i))
         return hook
 
