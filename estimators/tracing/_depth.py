@@ -250,9 +250,11 @@ def tagged_blocks(rec: Recorder, blocks: Sequence[nn.Module], wrapped: nn.Module
     handles = []
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(pre(i), prepend=True, with_kwargs=True))  # type: ignore[arg-type]
-        # The output's hook goes first, before FSDP2's pre-backward (which unshards this block
-        # and prefetches the next one down): that work is this block's.
-        handles.append(block.register_forward_hook(marked(i), prepend=True, with_kwargs=True))  # type: ignore[arg-type]
+        # The output's hook goes before FSDP2's pre-backward (which unshards this block and
+        # prefetches the next one down): that work is this block's.
+        mark = block.register_forward_hook(marked(i), prepend=True, with_kwargs=True)  # type: ignore[arg-type]
+        _just_before_fsdp(block, mark)
+        handles.append(mark)
         handles.append(block.register_forward_hook(post, with_kwargs=True))
     try:
         yield tags
@@ -261,6 +263,27 @@ def tagged_blocks(rec: Recorder, blocks: Sequence[nn.Module], wrapped: nn.Module
             h.remove()
         if ddp is not None:
             ddp.observer = None
+
+
+def _just_before_fsdp(block: nn.Module, mark: torch.utils.hooks.RemovableHandle) -> None:
+    """Move the forward hook ``mark`` (first of ``block``'s) to just before FSDP2's
+    post-forward, where ``block`` has one: FSDP2 hooks its pre-backward on the output as the
+    hooks before it leave it, and a hook there may replace the output (sequence parallelism
+    gathers the last block's): the block's backward must begin where FSDP2's work does, on the
+    same tensor, or the unshard it makes (this block's and the prefetched one's) falls outside
+    the block, to whichever block owns the parameters."""
+    from torch.distributed._composable_state import _get_module_state
+
+    state = _get_module_state(block)
+    fsdp = getattr(state, "_post_forward_hook_handle", None)
+    hooks = block._forward_hooks
+    if fsdp is None or fsdp.id not in hooks or mark.id not in hooks:
+        return
+    order = [k for k in hooks if k != mark.id]
+    order.insert(order.index(fsdp.id), mark.id)
+    reordered = {k: hooks[k] for k in order}
+    hooks.clear()
+    hooks.update(reordered)
 
 
 def param_blocks(blocks: Sequence[nn.Module]) -> dict[int, int]:

@@ -37,17 +37,19 @@ def _models_large():
     return module
 
 
-def llama_task(layers: int) -> Task:
+def llama_task(layers: int, *, torchtitan: bool = False) -> Task:
     """``benchmarks/models_large.py``'s Llama 3 decoder (rotary positions, grouped-query
-    attention, SwiGLU) at a size that traces in a blink."""
+    attention, SwiGLU) at a size that traces in a blink; ``torchtitan``: its blocks laid out as
+    torchtitan's (attention and feed-forward modules, which sequence parallelism needs)."""
     large = _models_large()
+    block = large.TitanBlock if torchtitan else large.GQABlock
     vocab, seq = 256, 32
 
     def data() -> TensorDataset:
         tokens = torch.randint(0, vocab, (16, seq + 1), generator=torch.Generator().manual_seed(0))
         return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
-    return Task(name=f"llama{layers}", build_model=lambda: large.Llama3(layers, 64, 4, 2, 128, vocab, False, 1e4, seq),
+    return Task(name=f"llama{layers}", build_model=lambda: large.Llama3(layers, 64, 4, 2, 128, vocab, False, 1e4, seq, block),
                 train_data=data, checkpoint_blocks=lambda m: list(m.layers))
 
 
@@ -101,6 +103,18 @@ def test_sharded_and_replicated_layouts_compose(config: TrainConfig) -> None:
     # FSDP2 unshards each block in the one before it and prefetches the next; DDP's buckets
     # hold several blocks' gradients: both compose to the whole model's trace.
     _composed_and_whole(llama_task(5), config)
+
+
+@pytest.mark.parametrize("config", [
+    TrainConfig(micro_batch_size=2, tp=2, sequence_parallel=True),
+    TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=2, tp=2),
+    TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=2, tp=2, sequence_parallel=True),
+], ids=["tp-sp", "fsdp2-tp", "fsdp2-tp-sp"])
+def test_tensor_parallel_layouts_compose(config: TrainConfig) -> None:
+    # Sequence parallelism gathers the last block's output in a hook that runs before FSDP2's
+    # post-forward: FSDP2's pre-backward (the last block's unshard and the prefetch of the one
+    # before) hangs on the gathered tensor, so the last block's backward must begin there too.
+    _composed_and_whole(llama_task(5, torchtitan=True), config)
 
 
 @pytest.mark.parametrize("layers, config", [(7, TrainConfig(micro_batch_size=2, checkpoint_segments=2)),
