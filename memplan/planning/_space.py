@@ -170,8 +170,14 @@ class SearchSpace:
         pipeline: dict[str, Any] = {}
         if layout.pp > 1:
             # The pipeline's micro-batches are its accumulation. Fewer than its stages, 1F1B's
-            # warm-up holds all of them, as GPipe does: the library runs it as GPipe.
-            schedule = layout.pp_schedule if accum >= layout.pp else "gpipe"
+            # warm-up holds all of them, as GPipe does: the library runs it as GPipe. The
+            # interleaved schedule runs them in rounds of pp: with a last round short of it,
+            # plain 1F1B.
+            schedule = layout.pp_schedule
+            if schedule == "interleaved-1f1b" and accum % layout.pp:
+                schedule = "1f1b"
+            if accum < layout.pp:
+                schedule = "gpipe"
             pipeline = {"pp": layout.pp, "pp_schedule": schedule, "pp_microbatches": accum}
             accum = 1
         config = TrainConfig(
@@ -427,11 +433,13 @@ def tensor_parallel_layouts(space: SearchSpace, task: Task, model: nn.Module) ->
 
 
 def pipeline_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[tuple[Layout, ...], str | None]:
-    """The pipeline layout of ``space``'s devices: all the devices of one machine, one stage
-    each, under 1F1B (a pipeline alone: data parallelism over pipelines is not combined yet);
-    and why there is none, when the model cannot be cut into that many stages."""
+    """The pipeline layouts of ``space``'s devices: all the devices of one machine, one stage
+    each, under 1F1B, and interleaved 1F1B (two stages a device) where the block stack has a
+    block for each of those (a pipeline alone: data parallelism over pipelines is not combined
+    yet); and why there is none, when the model cannot be cut into that many stages."""
     from estimators import default_loss
     from estimators.runtime._checkpoint import find_block_stack
+    from estimators.runtime._pipeline import VIRTUAL_STAGES
 
     spread = [layout for layout in space.layouts if layout.ranks > 1 and layout.tp == 1 and layout.dp_replicate == 1]
     if not spread or spread[0].nodes > 1:
@@ -442,7 +450,9 @@ def pipeline_layouts(space: SearchSpace, task: Task, model: nn.Module) -> tuple[
         return (), f"the block stack has {blocks} blocks, fewer than the {pp} stages of a pipeline over the devices"
     if task.loss_fn is not default_loss:
         return (), "pipeline stages run the default loss, and the model file defines its own"
-    return (Layout("single", 1, 1, pp=pp),), None
+    looped = "interleaved-1f1b"
+    interleaved = (Layout("single", 1, 1, pp=pp, pp_schedule=looped),) if blocks >= pp * VIRTUAL_STAGES[looped] else ()
+    return (Layout("single", 1, 1, pp=pp), *interleaved), None
 
 
 def _precisions(estimator: Estimator, wanted: Sequence[str] | None) -> tuple[Precision, ...]:

@@ -10,9 +10,9 @@ from memplan import search
 from memplan.planning._space import Layout, build_space, layout_key, layouts_for, pipeline_layouts
 
 
-def _lm(ns: dict[str, object] | None = None):
+def _lm(ns: dict[str, object] | None = None, layers: int = 3):
     ns = {} if ns is None else ns
-    exec(ATTENTION_LM_SOURCE, ns)
+    exec(ATTENTION_LM_SOURCE.replace("layers=3", f"layers={layers}"), ns)
     return ns["AttentionLM"]()  # type: ignore[operator]  # 3 blocks
 
 
@@ -39,6 +39,22 @@ def test_the_pipeline_is_every_device_of_one_machine_and_the_blocks_allow_it() -
     assert config.global_batch == 16 and layout_key(config) == "pp 2 1f1b"
     few = _space(2).config(16, "fp32", 0, layout)
     assert (few.pp_schedule, few.pp_microbatches) == ("gpipe", 1) and layout_key(few) == "pp 2 gpipe"
+
+
+def test_a_stack_of_two_blocks_a_device_is_also_searched_interleaved() -> None:
+    model = _lm(layers=4)
+    task = Task(name="lm", build_model=lambda: model)
+    looped = Layout("single", 1, 1, pp=2, pp_schedule="interleaved-1f1b")
+    assert pipeline_layouts(_space(2), task, model) == ((Layout("single", 1, 1, pp=2), looped), None)
+    assert pipeline_layouts(_space(4), task, model) == ((Layout("single", 1, 1, pp=4),), None)
+    config = _space(2).config(4, "fp32", 0, looped)
+    assert (config.pp_schedule, config.pp_microbatches) == ("interleaved-1f1b", 4)
+    assert layout_key(config) == "pp 2 interleaved-1f1b" and config.global_batch == 16
+    # Rounds of pp micro-batches: a window of 3 runs plain 1F1B, one of 1 GPipe.
+    odd = build_space(dataset_size=None, global_batch=6, precisions=("fp32",), max_segments=2,
+                      layouts=(*layouts_for(2, 1), looped)).config(2, "fp32", 0, looped)
+    assert (odd.pp_schedule, odd.pp_microbatches) == ("1f1b", 3)
+    assert _space(2).config(16, "fp32", 0, looped).pp_schedule == "gpipe"
 
 
 def test_a_pipeline_is_planned_when_nothing_else_fits(write_model) -> None:
