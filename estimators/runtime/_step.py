@@ -26,10 +26,11 @@ from torch.utils._pytree import tree_map
 from .._config import TrainConfig
 from .._step_options import StepOptions
 from .._types import Batch
-from ..task._task import Task, default_logits_and_targets
+from ..task._task import Task, default_logits_and_targets, default_loss
 from . import _activation_offload, _parallel
 from ._clip import clip_gradients
 from ._ema import EMA
+from ._loss_parallel import has_split_head, local_loss, sharded_loss
 from ._optim_bwd import OptimizerInBackward, check_compatible
 from ._pipeline import PipelinedModel
 from ._precision import ScalerSettings, StepPrecision
@@ -107,6 +108,9 @@ class StepParts:
     options: StepOptions
     offload_activations: bool = False
     """Saved activations wait in host memory between forward and backward (:mod:`._activation_offload`)."""
+    sharded_loss: bool = False
+    """The head is split over the vocabulary and the default loss runs on its shards
+    (:mod:`._loss_parallel`): forward, loss and backward within ``sharded_loss``."""
 
 
 @dataclass
@@ -145,17 +149,27 @@ def make_step_parts(
         ema = EMA(model, options.ema_decay)
     if isinstance(wrapped, PipelinedModel):
         wrapped.label_smoothing = options.label_smoothing  # the last stage's loss is the step's
+    loss_fn = training_loss(task, options.label_smoothing)
+    # loss_parallel computes the plain cross entropy only; another loss gets gathered logits.
+    sharded = has_split_head(model) and task.loss_fn is default_loss and not options.label_smoothing
+    if sharded:
+        plain = loss_fn
+
+        def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+            return local_loss(plain(model, batch))
+
     return StepParts(
         model=model,
         forward_model=forward_model if forward_model is not None else wrapped,
         wrapped=wrapped,
         optimizer=optimizer,
         ema=ema,
-        loss_fn=training_loss(task, options.label_smoothing),
+        loss_fn=loss_fn,
         precision=precision,
         device=device,
         options=options,
         offload_activations=config.offload_activations,
+        sharded_loss=sharded,
     )
 
 
@@ -267,7 +281,7 @@ def _forward_backward(
             loss_sum = torch.zeros((), dtype=torch.float32, device=parts.device)
         # DDP reduces gradients across ranks in the last micro-batch's backward only; FSDP2
         # reduce-scatters every micro-batch (its gradients stay sharded); _parallel decides.
-        with _parallel.gradient_sync(parts.wrapped, k == last):
+        with _parallel.gradient_sync(parts.wrapped, k == last), sharded_loss(parts.sharded_loss):
             with (
                 parts.precision.forward_context(),
                 _activation_offload.offloading(parts.offload_activations, parts.device, hooks, parts.model, batch),

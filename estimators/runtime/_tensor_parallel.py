@@ -5,8 +5,9 @@ q/k/v, up/gate; each rank computes ``1/tp`` of the heads or of the hidden units)
 row-wise split (the projection back: o, down; each rank's partial product is summed by one
 all-reduce), as Megatron-LM and torchtitan split them, with DTensor's ``ColwiseParallel`` and
 ``RowwiseParallel``. The activations between the two stay plain local tensors of ``1/tp`` the
-width; everything outside the pairs (embeddings, norms, the head) is replicated, and its
-gradients need no reduction, since every rank of a group sees the same batch. The replicated
+width; everything outside the pairs (embeddings, norms) is replicated, and its gradients
+need no reduction, since every rank of a group sees the same batch. A language model's head is
+split over the vocabulary (``_loss_parallel``). The replicated
 parameters are DTensors too (``Replicate`` on the ``tp`` mesh; their modules take and give
 plain tensors, as torchtitan's ``NoParallel`` does): an optimizer's multi-tensor kernels and
 FSDP2 want every parameter of one kind, on one mesh.
@@ -58,6 +59,7 @@ import torch.nn as nn
 
 from .._errors import ConfigError
 from ._checkpoint import BlockFinder, find_block_stack
+from ._loss_parallel import find_head, split_head
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,6 +93,10 @@ class TpPlan:
     styles: dict[str, TpStyle]
     source: str
     """``tp_plan(model)``, ``base_model_tp_plan`` or ``inferred``."""
+    head: str | None = None
+    """The head split over the vocabulary (``_loss_parallel``), if any."""
+    head_note: str | None = None
+    """Why the model's head is not split, where it has one."""
 
 
 def resolve_tp_plan(model: nn.Module, tp: int, *, hook: TpPlanHook | None = None,
@@ -116,7 +122,8 @@ def resolve_tp_plan(model: nn.Module, tp: int, *, hook: TpPlanHook | None = None
             "like q_proj/k_proj/v_proj/o_proj or fc1/fc2, up_proj/down_proj); define "
             "tp_plan(model) -> {'layers.*.attn.wq': 'colwise', ...} in the model file, or use tp=1")
     _check_divisible(model, styles, tp)
-    return TpPlan(styles, source)
+    head, head_note = find_head(model, tp, split=set(styles), finder=finder)
+    return TpPlan(styles, source, head, head_note)
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan, *, sequence_parallel: bool = False,
@@ -131,7 +138,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan, *, sequence_paral
     tp = mesh.size()
     modules = dict(model.named_modules())
     parents = _parents(plan)
-    owners = _owners(model, set(plan.styles))
+    owners = _owners(model, set(plan.styles) | ({plan.head} if plan.head else set()))
     blocks: list[nn.Module] = []
     stream: set[str] = set()
     if sequence_parallel:
@@ -147,6 +154,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan, *, sequence_paral
     rowwise = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if sequence_parallel else RowwiseParallel()
     parallelize_module(model, mesh, {name: ColwiseParallel() if style == "colwise" else rowwise
                                      for name, style in plan.styles.items()})
+    if plan.head is not None:
+        split_head(model, mesh, plan.head)
     _replicate_the_rest(model, mesh, owners, stream)
     if sequence_parallel:
         for name in parents:

@@ -59,7 +59,7 @@ class StateFloor:
         grads = 0 if config.optimizer_in_backward else self.grads[low]
         # The state follows the weights' dtype (fp32 built, bf16 trained).
         total = self.weights[low] + grads + (self.optimizer // 2 if low else self.optimizer)
-        # Tensor parallelism splits the block linears over its ranks (the rest is replicated):
+        # Tensor parallelism splits the block linears and the head over its ranks (the rest is replicated):
         # at most 1/tp of the states per rank, 1/ranks under FSDP2 too (a shard group's
         # under HSDP) -- a bound.
         # A pipeline's stage holds its blocks' part (``1/pp`` of the stack, at best).

@@ -121,15 +121,36 @@ def test_a_rank_holds_less_as_the_degree_grows(tmp_path):
     path.write_text(ATTENTION_LM_SOURCE.replace("d=64, n_heads=4", "d=128, n_heads=8"))
     est = Estimator(load_task(path), device="cpu")
     model = est.task.build_model()
-    split = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
+    # The block linears and the head (split over the vocabulary).
+    split = sum(p.numel() for n, p in model.named_parameters() if "proj" in n or n.startswith("head."))
     rest = sum(p.numel() for p in model.parameters()) - split
     peaks = []
     for tp in (1, 2, 8):
         e = est.estimate(TrainConfig(micro_batch_size=16, tp=tp), exact=True)
         assert e.method == "traced"
-        # Each rank holds 1/tp of the split linears and all of the rest.
+        # Each rank holds 1/tp of the split linears and the head, and all of the rest.
         assert e.breakdown["params"] == 4 * (split // tp + rest)
         peaks.append(e.peak_allocated_bytes)
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.6 * peaks[0]
     with pytest.raises(ConfigError, match="n_heads is 8, which tp 16 does not divide"):
         est.estimate(TrainConfig(micro_batch_size=16, tp=16), exact=True)
+
+
+def test_the_split_heads_logits_are_a_ranks_share_unless_the_loss_needs_them_whole(tmp_path):
+    # The default cross entropy runs on the vocabulary's shards (loss_parallel): no rank makes
+    # the whole logits. With label smoothing (which loss_parallel does not do) the head's output
+    # is gathered, as a replicated head's: the same split weights, the whole logits.
+    from estimators.tracing._trace import trace_step
+
+    sharded, smoothed = tmp_path / "lm.py", tmp_path / "smoothed.py"
+    sharded.write_text(ATTENTION_LM_SOURCE)
+    smoothed.write_text(ATTENTION_LM_SOURCE + "\nsettings = {'label_smoothing': 0.1}\n")
+    config = TrainConfig(micro_batch_size=16, tp=2)
+    logits = 16 * 64 * 256 * 4  # micro-batch x sequence x vocabulary, fp32
+    split, whole = (set(trace_step(load_task(p), config, target="cuda").alloc_bytes.tolist())
+                    for p in (sharded, smoothed))
+    assert logits // 2 in split and logits not in split
+    assert logits in whole
+    peaks = [Estimator(load_task(p), gpu="H100-80GB").estimate(config, exact=True).peak_allocated_bytes
+             for p in (sharded, smoothed)]
+    assert peaks[0] < peaks[1] - logits // 2, peaks

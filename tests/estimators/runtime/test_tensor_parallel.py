@@ -9,6 +9,7 @@ import torch.nn as nn
 from helpers.lm import ATTENTION_LM_SOURCE
 
 from estimators import ConfigError, TrainConfig
+from estimators.runtime._loss_parallel import sharded_loss
 from estimators.runtime._tensor_parallel import apply_tp, resolve_tp_plan
 
 
@@ -137,14 +138,42 @@ def test_splitting_shards_the_linears_and_divides_the_head_count() -> None:
     with simulated_ranks(2):
         from torch.distributed.device_mesh import init_device_mesh
 
-        apply_tp(model, init_device_mesh("cpu", (2,)), resolve_tp_plan(model, 2))
+        plan = resolve_tp_plan(model, 2)
+        assert (plan.head, plan.head_note) == ("head", None)
+        apply_tp(model, init_device_mesh("cpu", (2,)), plan)
         attn = model.layers[0].attn
         assert attn.n_heads == 2 and attn.head_dim == 16
         assert attn.q_proj.weight.to_local().shape == (32, 64)  # rows: its half of the heads
         assert attn.o_proj.weight.to_local().shape == (64, 32)  # columns: the same half
-        # Replicated: a DTensor of the whole table on every rank, tied weights still one.
+        # Replicated: a DTensor of the whole table on every rank.
         assert model.emb.weight.to_local().shape == (256, 64)
-        assert model.head.weight.placements[0].is_replicate()
+        assert model.emb.weight.placements[0].is_replicate()
+        # The head: split over the vocabulary, its logits gathered outside the step's loss.
+        assert model.head.weight.placements[0].is_shard(0) and model.head.weight.to_local().shape == (128, 64)
+        logits = model(torch.randint(0, 256, (2, 8)))
+        assert type(logits) is torch.Tensor and logits.shape == (2, 8, 256)
+        with sharded_loss(True):
+            kept = model(torch.randint(0, 256, (2, 8)))
+        assert kept.placements[0].is_shard(2) and kept.to_local().shape == (2, 8, 128)
+
+
+def test_a_head_is_split_only_where_it_is_one_linear_of_its_own_that_tp_divides() -> None:
+    from helpers.lm import LM_SOURCE
+
+    ns: dict[str, object] = {}
+    exec(LM_SOURCE, ns)
+    tied = ns["TinyLM"]()  # type: ignore[operator]
+    assert tied.head.weight is tied.emb.weight
+    plan = resolve_tp_plan(tied, 2)
+    assert plan.head is None and "tied" in (plan.head_note or ""), plan.head_note
+    model = attention_lm()
+    model.head = nn.Linear(64, 256 + 1)
+    model.emb = nn.Embedding(256 + 1, 64)
+    plan = resolve_tp_plan(model, 2)
+    assert plan.head is None and "257 outputs are not divisible by tp 2" in (plan.head_note or "")
+    model.aux = nn.Linear(64, 257)
+    plan = resolve_tp_plan(model, 2)
+    assert plan.head is None and "2 linears (head, aux)" in (plan.head_note or ""), plan.head_note
 
 
 def test_tied_weights_stay_tied_when_replicated() -> None:
