@@ -50,11 +50,7 @@ def find_head(model: nn.Module, tp: int, *, split: set[str], finder: BlockFinder
     """``(name, None)``: the head to split over ``tp`` ranks; ``(None, why)``: none is split,
     and why (None where the model has no head to speak of). ``split``: the block linears the
     plan splits already."""
-    try:
-        blocks = find_block_stack(model, finder)
-    except Exception:  # noqa: BLE001 - no stack: every linear is outside it
-        blocks = []
-    inside = {id(m) for block in blocks for m in block.modules()}
+    inside = {id(m) for block in find_block_stack(model, finder) for m in block.modules()}
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     rows = {e.num_embeddings for e in embeddings}
     heads = [(name, m) for name, m in model.named_modules()
@@ -106,10 +102,14 @@ def sharded_loss(enabled: bool) -> Iterator[None]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     token = _KEEP_SHARDED.set(True)
+    # Left by an exception (an OOM the trainer recovers from), loss_parallel's generator would
+    # keep its loss ops installed: its exit is run as after a normal end, whatever happens.
+    ops = loss_parallel()
+    ops.__enter__()
     try:
-        with loss_parallel():
-            yield
+        yield
     finally:
+        ops.__exit__(None, None, None)
         _KEEP_SHARDED.reset(token)
 
 

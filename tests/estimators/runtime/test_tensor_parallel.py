@@ -291,3 +291,16 @@ def test_sequence_parallel_refuses_what_would_see_part_of_the_sequence() -> None
     assert c.describe() == "micro-batch 4, fp32, tp 2, sequence parallel"
     assert TrainConfig.from_dict(c.to_dict()) == c and "sequence_parallel" not in c.replace(
         sequence_parallel=False).to_dict()
+
+
+def test_an_error_in_the_sharded_loss_leaves_no_loss_ops_installed() -> None:
+    # loss_parallel's own context manager skips its exit when the block raises (an OOM the
+    # trainer recovers from would leave DTensor's cross entropy rerouted for good).
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    before = dict(handlers)
+    with pytest.raises(RuntimeError, match="out of memory"), sharded_loss(True):
+        assert len(handlers) > len(before)
+        raise RuntimeError("out of memory")
+    assert handlers == before
