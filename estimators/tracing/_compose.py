@@ -112,9 +112,11 @@ def _sorted_frees(tagged: TaggedRaw) -> TaggedRaw:
     allocations or ops) sorted by allocation, each event keeping its tag: their order is what
     hashing decided, and the finished trace puts them in its canonical order anyway.
 
-    A burst outside any block that frees one block's allocations (and fixed ones) right
-    after an op of that block or a neighbour is that op's block's: a loop over the parameters
-    drops one parameter's temporary while it works on the next."""
+    A burst outside any block that frees allocations of one block and its neighbours (and
+    fixed ones) right after an op of that block is that op's block's: a loop over the
+    parameters drops one parameter's temporary while it works on the next; a layer loop drops
+    the previous block's output (offloaded where the block saved it) when a block returns, in
+    the burst where FSDP2 reshards the block's own parameters."""
     raw = tagged.raw
     alloc, sign, phase = list(raw.event_alloc), raw.event_sign, raw.event_phase
     tags = list(tagged.event_block)
@@ -130,9 +132,9 @@ def _sorted_frees(tagged: TaggedRaw) -> TaggedRaw:
             if outside:
                 ops = {after[e] for e in outside}
                 owners = {owner[alloc[e]] for e in outside} - {-1}
-                if len(ops) == 1 and len(owners) <= 1:
+                if len(ops) == 1:
                     op = ops.pop()
-                    if not owners or abs(owners.pop() - op) <= 1:
+                    if all(abs(o - op) <= 1 for o in owners):
                         for e in outside:
                             tags[e] = op
             if j - i > 1:

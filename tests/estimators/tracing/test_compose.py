@@ -97,8 +97,11 @@ def test_an_id_a_dead_output_leaves_to_the_next_input_changes_no_block(monkeypat
 @pytest.mark.parametrize("config", [
     TrainConfig(micro_batch_size=2, precision="bf16-mixed", strategy="fsdp", world_size=2, checkpoint_segments=5),
     TrainConfig(micro_batch_size=2, precision="bf16-mixed", strategy="fsdp", world_size=2, cpu_offload=True),
+    # A block's input dies when the layer loop moves on (the block saved an offloaded copy), in
+    # the burst of frees where FSDP2 reshards the block that just ran.
+    TrainConfig(micro_batch_size=2, precision="bf16-mixed", strategy="fsdp", world_size=2, offload_activations=True),
     pytest.param(TrainConfig(micro_batch_size=2, strategy="ddp", world_size=2), marks=pytest.mark.slow),
-], ids=["fsdp2-checkpointed", "fsdp2-cpu-offload", "ddp"])
+], ids=["fsdp2-checkpointed", "fsdp2-cpu-offload", "fsdp2-offloaded-activations", "ddp"])
 def test_sharded_and_replicated_layouts_compose(config: TrainConfig) -> None:
     # FSDP2 unshards each block in the one before it and prefetches the next; DDP's buckets
     # hold several blocks' gradients: both compose to the whole model's trace.
@@ -109,7 +112,9 @@ def test_sharded_and_replicated_layouts_compose(config: TrainConfig) -> None:
     TrainConfig(micro_batch_size=2, tp=2, sequence_parallel=True),
     TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=2, tp=2),
     TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=2, tp=2, sequence_parallel=True),
-], ids=["tp-sp", "fsdp2-tp", "fsdp2-tp-sp"])
+    TrainConfig(micro_batch_size=2, strategy="fsdp", world_size=2, tp=2, sequence_parallel=True,
+                precision="bf16-mixed", grad_accum_steps=2, checkpoint_segments=5, offload_activations=True),
+], ids=["tp-sp", "fsdp2-tp", "fsdp2-tp-sp", "fsdp2-tp-sp-checkpointed-offloaded"])
 def test_tensor_parallel_layouts_compose(config: TrainConfig) -> None:
     # Sequence parallelism gathers the last block's output in a hook that runs before FSDP2's
     # post-forward: FSDP2's pre-backward (the last block's unshard and the prefetch of the one
