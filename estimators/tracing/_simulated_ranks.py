@@ -32,9 +32,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, overload
 
 import torch
 import torch.nn as nn
@@ -302,7 +302,56 @@ def parallelize_simulated(
             return model
         if config.strategy == "ddp":
             return EmulatedDDP(model, world_size=config.world_size)
-        return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload)
+        with _chunks_made_when_asked():
+            return apply_fsdp(model, precision=config.precision, mesh=mesh, finder=finder, offload=config.cpu_offload)
+
+
+class _Chunks(Sequence[torch.Tensor]):
+    """``torch.chunk(tensor, n, dim)``'s pieces, padded with empty tensors to ``n`` as FSDP2's
+    ``_chunk_with_empty`` pads them, each made (as the same view) only when asked for."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
+        self._tensor, self._n, self._dim = tensor, n, dim
+        size = tensor.size(dim)
+        self._step = -(-size // n)  # torch.chunk's piece: the size over n, rounded up
+        self._pieces = -(-size // self._step) if size else n  # an empty dimension: n empty pieces
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        if i >= self._pieces:
+            return self[0].new_empty(0)
+        size = self._tensor.size(self._dim)
+        start = i * self._step
+        return self._tensor.narrow(self._dim, start, min(self._step, size - start))
+
+
+@contextlib.contextmanager
+def _chunks_made_when_asked() -> Iterator[None]:
+    """FSDP2 cuts each parameter into one piece per rank to keep its own (and the first, for
+    the padding): at hundreds of simulated ranks, the other views (fake tensors, each recorded)
+    made most of the wrapping's time. While FSDP2 shards here, the pieces are made as asked."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = _fsdp_param._chunk_with_empty
+    _fsdp_param._chunk_with_empty = _Chunks  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 @contextlib.contextmanager
