@@ -155,8 +155,8 @@ def make_step_parts(
     if sharded:
         plain = loss_fn
 
-        def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
-            return local_loss(plain(model, batch))
+        def loss_fn(module: nn.Module, batch: Batch) -> torch.Tensor:
+            return local_loss(plain(module, batch))
 
     return StepParts(
         model=model,
