@@ -44,7 +44,7 @@ PLANS = {
 
 def plan_row(name: str) -> list[str]:
     size, seq, gpus, nodes, global_batch, published = PLANS[name]
-    task = llama3_task(size, seq=seq, samples=max(64, global_batch))
+    task = llama3_task(size, seq=seq, samples=max(64, global_batch), torchtitan=True)
     start = time.perf_counter()
     try:
         plan = memplan.search(task, gpu="H100-80GB", vram="80GB", gpus=gpus, nodes=nodes, global_batch=global_batch,
