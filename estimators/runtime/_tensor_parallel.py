@@ -98,6 +98,11 @@ class TpPlan:
     head_note: str | None = None
     """Why the model's head is not split, where it has one."""
 
+    @property
+    def split(self) -> set[str]:
+        """The names of every linear the plan splits, the head's included."""
+        return set(self.styles) | ({self.head} if self.head else set())
+
 
 def resolve_tp_plan(model: nn.Module, tp: int, *, hook: TpPlanHook | None = None,
                     finder: BlockFinder | None = None) -> TpPlan:
@@ -138,7 +143,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TpPlan, *, sequence_paral
     tp = mesh.size()
     modules = dict(model.named_modules())
     parents = _parents(plan)
-    owners = _owners(model, set(plan.styles) | ({plan.head} if plan.head else set()))
+    owners = _owners(model, plan.split)
     blocks: list[nn.Module] = []
     stream: set[str] = set()
     if sequence_parallel:
@@ -170,7 +175,7 @@ def sequence_parallel_refusal(model: nn.Module, plan: TpPlan, *, finder: BlockFi
     its modules tell; the traced step checks the shapes). ``model`` may be on meta."""
     parents = _parents(plan)
     try:
-        _sequence_region(model, plan, parents, _owners(model, set(plan.styles)), finder)
+        _sequence_region(model, plan, parents, _owners(model, plan.split), finder)
     except ConfigError as exc:
         return str(exc)
     return None
