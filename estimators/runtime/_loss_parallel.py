@@ -9,7 +9,7 @@ log-softmax all-reduces a max and a sum per position; its loss one scalar), so t
 ever holds the whole logits.
 
 The head is the one ``nn.Linear`` outside the block stack whose outputs number an embedding's
-rows (the vocabulary). It is not split when its weight is the embedding's (tied; the embedding
+rows (the vocabulary), and the model's last module. It is not split when its weight is the embedding's (tied; the embedding
 stays replicated), when ``tp`` does not divide the vocabulary, or when no such linear is found.
 
 The logits stay sharded only inside :func:`sharded_loss`, which the training step enters
@@ -60,6 +60,13 @@ def find_head(model: nn.Module, tp: int, *, split: set[str], finder: BlockFinder
                       f"the head is not split: {len(heads)} linears ({', '.join(n for n, _ in heads)}) have an "
                       "embedding's rows as outputs")
     name, head = heads[0]
+    # Inside the step the logits stay sharded from the head to the loss: a head whose output
+    # went on through other modules would hand them shards they take for whole tensors. The
+    # model's last module is the one whose output is the model's (nanoGPT's lm_head,
+    # torchtitan's output, a Hugging Face model's lm_head).
+    children = [n for n, _ in model.named_children()]
+    if not children or children[-1] != name:
+        return None, f"the head ({name}) is not split: it is not the model's last module, whose output is the logits"
     if any(head.weight is e.weight for e in embeddings):
         return None, f"the head ({name}) is not split: its weight is the embedding's (tied), which stays replicated"
     if head.out_features % tp:

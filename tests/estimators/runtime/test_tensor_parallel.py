@@ -174,6 +174,11 @@ def test_a_head_is_split_only_where_it_is_one_linear_of_its_own_that_tp_divides(
     model.aux = nn.Linear(64, 257)
     plan = resolve_tp_plan(model, 2)
     assert plan.head is None and "2 linears (head, aux)" in (plan.head_note or ""), plan.head_note
+    # A vocabulary-wide linear whose output goes on through another module is not the head.
+    model = attention_lm()
+    model.after = nn.Identity()
+    plan = resolve_tp_plan(model, 2)
+    assert plan.head is None and "not the model's last module" in (plan.head_note or ""), plan.head_note
 
 
 def test_tied_weights_stay_tied_when_replicated() -> None:
